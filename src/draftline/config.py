@@ -1,0 +1,91 @@
+"""Typed settings of each stage. Field descriptions are the CLI's help; unknown keys are refused.
+
+Precedence is flag > config file > default, applied by :func:`resolve` (pure: it never reads argv).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from draftline.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class PrepareConfig(_Strict):
+    conversations: str = Field(description="Conversations file: JSONL/JSON in OpenAI `messages` or ShareGPT form.")
+    verifier: str = Field(description="Verifier: a local Hugging Face directory (model + tokenizer with a chat "
+                                      "template) or a repo id already in the local cache.")
+    aux_layers: list[int] | None = Field(None, description="Verifier layers whose hidden states EAGLE-3 reads "
+                                                           "(default [2, N//2, N-3]).")
+    max_length: int = Field(2048, ge=16, le=1 << 20, description="Tokens per conversation (longer ones are cut).")
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many conversations.")
+    batch_size: int = Field(8, ge=1, le=4096, description="Conversations per verifier forward pass.")
+    shard_tokens: int = Field(1 << 20, ge=1, description="Tokens per safetensors shard.")
+    name: str = Field("conversations", description="Data set name shown in the MLflow UI.")
+
+
+class FinetuneConfig(_Strict):
+    data: str = Field(description="Prepared data: `runs:/<prepare run id>/data` or a local directory.")
+    init: str = Field("random", description="Parent drafter: random | a catalog name (configs/parents.yaml) | "
+                                            "a local directory | a cached HF repo id | models:/NAME/VERSION|STAGE "
+                                            "| models:/NAME@alias.")
+    vocab: Literal["parent", "rebuild"] = Field("parent", description="Draft vocabulary: keep the parent's "
+                                                "d2t/t2d, or rebuild them from the data and permute lm_head rows.")
+    draft_vocab_size: int = Field(32000, ge=2, description="Draft vocabulary size when it is built from data "
+                                                           "(init=random or vocab=rebuild).")
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    gpus: int = Field(0, ge=0, description="Ranks on this node (0: all GPUs, or 1 CPU rank without GPUs).")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile for multi-node runs.")
+    steps: int = Field(200, ge=1, description="Optimiser steps.")
+    lr: float = Field(1e-4, gt=0, le=1.0, description="Peak learning rate (AdamW).")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(0.5, gt=0, description="Gradient clipping norm.")
+    tokens_per_batch: int = Field(4096, ge=16, description="Packed tokens per rank per step.")
+    ttt_steps: int = Field(3, ge=1, le=16, description="Test-time-training steps (draft positions).")
+    precision: Literal["bf16", "fp32"] = Field("bf16", description="Training precision.")
+    save_every: int = Field(50, ge=1, description="Save a DeepSpeed checkpoint every N steps (and at the end).")
+    log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
+    seed: int = Field(0, description="Seed for weights and batch order.")
+    ds_config: str | None = Field(None, description="DeepSpeed JSON config (default configs/zero<stage>.json).")
+    allow_pickle: bool = Field(False, description="Allow a pickle-only parent (loaded with weights_only=True).")
+    attn_impl: Literal["sdpa", "eager", "simple_flex_attention"] = Field(
+        "sdpa", description="Draft attention (flex attention needs a GPU).")
+
+
+class ExportConfig(_Strict):
+    run: str = Field(description="Finetune run: its id or `runs:/<id>`.")
+    registered_model: str = Field("draftline-drafter", min_length=1,
+                                  description="Registered model the version is added to.")
+    layout: Literal["speculators", "midlayer"] = Field("speculators", description="Extra layout to write "
+                                                       "(speculators is always written; midlayer adds SGLang's).")
+
+
+def resolve(model: type[BaseModel], *, flags: dict[str, Any] | None = None, file: str | Path | None = None):
+    """flag > config file > default. ``None`` flags do not override. Raises :class:`ConfigError`."""
+    values: dict[str, Any] = {}
+    if file:
+        path = Path(file)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must be a mapping of setting: value")
+        values.update(loaded)
+    values.update({k: v for k, v in (flags or {}).items() if v is not None})
+    try:
+        return model(**values)
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"invalid {model.__name__.removesuffix('Config').lower()} settings:\n  "
+                          + "\n  ".join(lines)) from None

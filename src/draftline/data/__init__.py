@@ -1,0 +1,1 @@
+"""prepare: conversations -> tokens + loss masks -> verifier hidden states -> safetensors shards."""

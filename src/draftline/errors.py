@@ -1,0 +1,51 @@
+"""Every error a user can cause, with one base class.
+
+The CLI catches :class:`DraftlineError`, prints its message (which names the thing, the flag and the fix)
+and exits with ``exit_code``; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class DraftlineError(Exception):
+    """Base of all expected failures. ``exit_code`` 1 is a runtime failure, 2 a usage error."""
+
+    exit_code = 1
+
+
+class UsageError(DraftlineError):
+    """Raised when a flag, parameter or config value is malformed (exit 2)."""
+
+    exit_code = 2
+
+
+class ConfigError(UsageError):
+    """Raised when a config or policy file is missing, unreadable or fails validation."""
+
+
+class ParentNotFound(DraftlineError):
+    """Raised when ``init`` names no catalog entry, directory, cached repo or registry version."""
+
+
+class CheckpointError(DraftlineError):
+    """Raised when a checkpoint is unreadable, has the wrong layout, or its keys/shapes do not fit the model."""
+
+
+class DataError(DraftlineError):
+    """Raised when prepared data or input conversations are missing, malformed or for another verifier."""
+
+
+class TrackingError(DraftlineError):
+    """Raised when the MLflow tracking server cannot be reached or refuses a request."""
+
+
+class RegistryError(DraftlineError):
+    """Raised when a registered model, version, stage or alias does not exist or cannot be changed."""
+
+
+class VerificationError(DraftlineError):
+    """Raised when a pulled or exported file does not match its manifest."""
+
+
+class TrainingError(DraftlineError):
+    """Raised when the DeepSpeed launcher or a training rank fails."""

@@ -1,0 +1,167 @@
+"""A tiny verifier and a tiny AQ-MedAI-layout parent, built locally (no model hub).
+
+``make_tiny(out_dir)`` writes::
+
+    out_dir/verifier/   a Llama-family causal LM + byte-level BPE tokenizer with a ChatML chat template
+    out_dir/parent/     an EAGLE-3 drafter for it in the SpecForge/AQ-MedAI layout
+                        (``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``, ``t2d`` + SpecForge config.json)
+
+The verifier is deep enough (8 layers) that the default aux layers [2, 4, 5] do not collide, and it is
+initialised with a wide init range so its next-token distribution is peaked (a drafter has something to learn).
+The parent is trained for a few steps on the verifier's own hidden states, so finetuning from it starts ahead
+of a random init, as a real parent would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+TINY_DEFAULTS = dict(
+    vocab_size=1024,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    draft_vocab_size=256,
+    init_range=0.2,
+)
+
+
+def _corpus_texts(conversations: Path) -> list[str]:
+    from draftline.data.conversations import load_conversations
+
+    return [m["content"] for conv in load_conversations(conversations).samples for m in conv["messages"]]
+
+
+def build_tokenizer(texts: list[str], vocab_size: int):
+    """Train a byte-level BPE on ``texts`` and wrap it as a transformers fast tokenizer with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+def build_verifier(tokenizer, *, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+                   num_key_value_heads, init_range, seed: int = 0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        initializer_range=init_range,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+def specforge_config(verifier_config, *, draft_vocab_size: int, aux_layer_ids: list[int]) -> dict:
+    """A ``config.json`` shaped like the one SpecForge writes for AQ-MedAI/Kimi-K2-Instruct-eagle3."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": verifier_config.hidden_size,
+        "intermediate_size": verifier_config.intermediate_size,
+        "num_attention_heads": verifier_config.num_attention_heads,
+        "num_key_value_heads": verifier_config.num_key_value_heads,
+        "head_dim": verifier_config.hidden_size // verifier_config.num_attention_heads,
+        "num_hidden_layers": 1,
+        "max_position_embeddings": verifier_config.max_position_embeddings,
+        "rms_norm_eps": verifier_config.rms_norm_eps,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": verifier_config.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids, "use_aux_hidden_state": True},
+    }
+
+
+def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, seed: int = 0,
+              progress: bool = True) -> dict[str, Path]:
+    """Build the tiny verifier and its tiny parent under ``out_dir``; returns their paths."""
+    import torch
+    from safetensors.torch import save_file
+
+    from draftline.checkpoints import to_midlayer_layout
+    from draftline.data.capture import capture_hidden_states
+    from draftline.data.tokenize import tokenize_conversations
+    from draftline.train.model import build_draft_model, train_steps_in_process
+    from draftline.vocab import build_vocab
+
+    out_dir = Path(out_dir)
+    verifier_dir, parent_dir = out_dir / "verifier", out_dir / "parent"
+    texts = _corpus_texts(conversations)
+    tokenizer = build_tokenizer(texts, TINY_DEFAULTS["vocab_size"])
+    verifier = build_verifier(tokenizer, **{k: v for k, v in TINY_DEFAULTS.items()
+                                            if k not in ("vocab_size", "draft_vocab_size")}, seed=seed)
+    verifier_dir.mkdir(parents=True, exist_ok=True)
+    verifier.save_pretrained(verifier_dir, safe_serialization=True)
+    tokenizer.save_pretrained(verifier_dir)
+
+    # The parent learns from the first half of the conversations; users finetune on whatever they bring.
+    from draftline.data.conversations import load_conversations
+
+    samples = tokenize_conversations(load_conversations(conversations).samples, tokenizer, max_length=512)
+    samples = samples[: max(1, len(samples) // 2)]
+    aux = [2, verifier.config.num_hidden_layers // 2, verifier.config.num_hidden_layers - 3]
+    batch = capture_hidden_states(verifier, samples, aux, progress=progress)
+    freqs = torch.zeros(verifier.config.vocab_size, dtype=torch.long)
+    for s in samples:
+        ids = torch.tensor(s.input_ids)[torch.tensor(s.loss_mask, dtype=torch.bool)]
+        freqs += torch.bincount(ids, minlength=verifier.config.vocab_size)
+    d2t, t2d = build_vocab(freqs, TINY_DEFAULTS["draft_vocab_size"])
+
+    torch.manual_seed(seed)
+    model = build_draft_model(str(verifier_dir), d2t=d2t, t2d=t2d, aux_layer_ids=aux,
+                              draft_vocab_size=TINY_DEFAULTS["draft_vocab_size"])
+    train_steps_in_process(model, batch, steps=parent_steps, lr=3e-3, progress=progress)
+
+    parent_dir.mkdir(parents=True, exist_ok=True)
+    state = to_midlayer_layout({k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v
+                                for k, v in model.state_dict().items()})
+    save_file(state, parent_dir / "model.safetensors", metadata={"format": "pt"})
+    cfg = specforge_config(verifier.config, draft_vocab_size=TINY_DEFAULTS["draft_vocab_size"], aux_layer_ids=aux)
+    (parent_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return {"verifier": verifier_dir, "parent": parent_dir}

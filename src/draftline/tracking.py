@@ -1,0 +1,126 @@
+"""MLflow plumbing shared by the stages: tracking URI, reachability, runs, params, artifacts.
+
+Credentials (``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``) are read by MLflow from the environment
+and never logged by draftline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from draftline.errors import DataError, TrackingError
+
+EXPERIMENT_ENV = "DRAFTLINE_EXPERIMENT"
+DEFAULT_EXPERIMENT = "draftline"
+
+
+def tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI``, else an absolute ``sqlite:///<cwd>/mlflow.db`` (MLflow 3's default store)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+
+
+def setup(experiment: str | None = None) -> str:
+    """Point MLflow at the tracking store, check it answers, select the experiment. Returns the URI."""
+    import mlflow
+
+    uri = tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    check_reachable(uri)
+    if not os.environ.get("MLFLOW_RUN_ID") and not os.environ.get("MLFLOW_EXPERIMENT_ID"):
+        try:
+            mlflow.set_experiment(experiment or os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT))
+        except Exception as e:  # noqa: BLE001
+            raise TrackingError(f"cannot use experiment on {uri}: {e}") from None
+    return uri
+
+
+def check_reachable(uri: str) -> None:
+    if not uri.startswith(("http://", "https://")):
+        return
+    import httpx
+
+    try:
+        httpx.get(uri.rstrip("/") + "/health", timeout=10.0)
+    except httpx.HTTPError as e:
+        raise TrackingError(
+            f"the MLflow tracking server at {uri} is unreachable ({type(e).__name__}). Start it, or point "
+            "MLFLOW_TRACKING_URI at a running server (unset it to use the local sqlite store)"
+        ) from None
+
+
+@contextlib.contextmanager
+def stage_run(step: str, run_name: str | None = None, tags: dict[str, str] | None = None,
+              run_id: str | None = None):
+    """The MLflow run of one stage: the one ``mlflow run`` opened (``MLFLOW_RUN_ID``), or a new one.
+
+    A stage that raises leaves its run FAILED, never RUNNING.
+    """
+    import mlflow
+
+    resuming = run_id or os.environ.get("MLFLOW_RUN_ID")
+    try:
+        run = mlflow.start_run(run_id=run_id, run_name=None if resuming else run_name,
+                               nested=mlflow.active_run() is not None)
+    except Exception as e:  # noqa: BLE001
+        raise TrackingError(f"cannot start the {step} run on {tracking_uri()}: {e}") from None
+    mlflow.set_tags({"draftline.step": step, **(tags or {})})
+    try:
+        yield run
+    except BaseException:
+        mlflow.end_run(status="FAILED")
+        raise
+    else:
+        mlflow.end_run(status="FINISHED")
+
+
+def log_params_once(params: dict[str, object], run_id: str | None = None) -> None:
+    """Log params; on a resumed run, skip those already logged with the same value (MLflow params are
+    immutable) and refuse a changed value."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    run_id = run_id or mlflow.active_run().info.run_id
+    existing = client.get_run(run_id).data.params
+    fresh = {}
+    for k, v in params.items():
+        s = "" if v is None else str(v)
+        if k in existing:
+            if existing[k] != s[:6000]:
+                raise DataError(f"run {run_id} already has {k}={existing[k]!r}; this run asks for {s!r}. "
+                                "A resumed run cannot change its settings: start a new run instead")
+            continue
+        fresh[k] = s
+    if fresh:
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in fresh.items()]
+        for i in range(0, len(items), 100):
+            client.log_batch(run_id, params=items[i : i + 100])
+
+
+def parse_run_ref(ref: str) -> tuple[str, str | None]:
+    """``runs:/ID/path`` -> (ID, path); a bare run id -> (ID, None)."""
+    if ref.startswith("runs:/"):
+        rest = ref[len("runs:/"):].strip("/")
+        run_id, _, path = rest.partition("/")
+        return run_id, path or None
+    return ref, None
+
+
+def download(uri: str, dest: Path | None = None) -> Path:
+    """Download an MLflow artifact URI (``runs:/``, ``models:/``...) and return the local path."""
+    import mlflow
+
+    try:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dest) if dest else None)
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"cannot download {uri}: {e}") from None
+    return Path(local)

@@ -1,0 +1,184 @@
+"""The finetune stage: resolve data and parent, record lineage, launch DeepSpeed ranks, log the checkpoint.
+
+Everything a rank needs goes into one spec file; the ranks (``draftline.train.worker``) only train. The
+parent's layout, hash, vocabulary and aux layers are checked here, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from draftline.config import FinetuneConfig
+from draftline.errors import CheckpointError, DataError
+
+
+def work_dir() -> Path:
+    return Path(os.environ.get("DRAFTLINE_WORK", "work")).resolve()
+
+
+def resolve_data(ref: str, dest: Path) -> Path:
+    """A local prepared-data directory, or ``runs:/<id>/data`` downloaded into ``dest`` (once)."""
+    from draftline.data.shards import MANIFEST
+    from draftline.tracking import download
+
+    if not ref.startswith(("runs:/", "models:/", "mlflow-artifacts:/")):
+        p = Path(ref).expanduser()
+        if not p.is_dir():
+            raise DataError(f"data {ref} is neither a directory nor a runs:/ URI: pass the output of prepare")
+        return p.resolve()
+    if (dest / MANIFEST).is_file():
+        return dest
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    os.replace(download(ref, partial), dest)
+    shutil.rmtree(partial, ignore_errors=True)
+    return dest
+
+
+def ds_config(cfg: FinetuneConfig) -> dict:
+    from draftline.parents import repo_root
+
+    path = Path(cfg.ds_config) if cfg.ds_config else repo_root() / "configs" / f"zero{max(cfg.zero_stage, 1)}.json"
+    try:
+        conf = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"DeepSpeed config {path} is unreadable ({e}); pass ds_config=<a JSON file>") from None
+    conf = {k: v for k, v in conf.items() if not k.startswith("_")}
+    conf["zero_optimization"] = {**conf.get("zero_optimization", {}), "stage": cfg.zero_stage}
+    conf["bf16"] = {"enabled": cfg.precision == "bf16"}
+    conf["gradient_clipping"] = cfg.grad_clip
+    opt = conf.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    opt["params"].update({"lr": cfg.lr, "weight_decay": cfg.weight_decay})
+    warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+    conf["scheduler"] = {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr, "warmup_num_steps": warmup,
+        "total_num_steps": max(cfg.steps, warmup + 1), "warmup_type": "linear"}}
+    return conf
+
+
+def parent_aux_layers(config: dict) -> list[int] | None:
+    for holder in (config, config.get("eagle_config") or {}):
+        if holder.get("eagle_aux_hidden_state_layer_ids"):
+            return list(holder["eagle_aux_hidden_state_layer_ids"])
+    return None
+
+
+def choose_vocab(cfg: FinetuneConfig, files, data, verifier_vocab: int) -> tuple[dict, dict[str, int]]:
+    """``({"d2t", "t2d"}, counts)`` by the vocabulary policy."""
+    from draftline.checkpoints import read_tensors
+    from draftline.vocab import build_vocab, plan_remap
+
+    parent_vocab = read_tensors(files, {"d2t", "t2d"}) if files else {}
+    if files and set(parent_vocab) != {"d2t", "t2d"}:
+        raise CheckpointError(f"parent {files.root} has no d2t/t2d: not an EAGLE-3 drafter with a draft vocabulary")
+    if files:
+        d2t, t2d = parent_vocab["d2t"], parent_vocab["t2d"]
+        if d2t.dtype != torch.long or t2d.dtype != torch.bool:
+            raise CheckpointError(f"parent d2t/t2d have dtypes {d2t.dtype}/{t2d.dtype}; expected int64/bool")
+        if t2d.numel() != verifier_vocab:
+            raise CheckpointError(f"t2d: parent [{t2d.numel()}], verifier vocabulary {verifier_vocab} — parent "
+                                  "made for a verifier with another vocabulary?")
+        if int(t2d.sum()) != d2t.numel():
+            raise CheckpointError(f"parent t2d marks {int(t2d.sum())} tokens but d2t has {d2t.numel()} rows")
+    if files and cfg.vocab == "parent":
+        n = int(d2t.numel())
+        return {"d2t": d2t, "t2d": t2d}, {"draft_size": n, "kept": n, "added": 0, "dropped": 0}
+    size = cfg.draft_vocab_size or (int(parent_vocab["d2t"].numel()) if files else min(32000, verifier_vocab))
+    if size > verifier_vocab:
+        raise DataError(f"draft_vocab_size={size} exceeds the verifier's vocabulary ({verifier_vocab})")
+    new_d2t, new_t2d = build_vocab(data.token_freqs(), size)
+    counts = {"draft_size": size, "kept": 0, "added": size, "dropped": 0}
+    if files:
+        plan = plan_remap(parent_vocab["d2t"], new_d2t)
+        counts.update(kept=plan.kept, added=plan.added, dropped=plan.dropped)
+    return {"d2t": new_d2t, "t2d": new_t2d}, counts
+
+
+def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]:
+    """The finetune stage as one MLflow run; ``resume_run`` continues a run from its last checkpoint."""
+    import mlflow
+    from safetensors.torch import save_file
+
+    from draftline import lineage, tracking
+    from draftline.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
+    from draftline.data.shards import open_prepared
+    from draftline.parents import resolve_init
+    from draftline.train.launcher import launch, resolve_ranks
+
+    tracking.setup()
+    ranks, on_cpu = resolve_ranks(cfg.gpus)
+    with tracking.stage_run("finetune", run_name=f"finetune-{cfg.init}", run_id=resume_run) as active:
+        run_id = active.info.run_id
+        work = work_dir() / run_id
+        work.mkdir(parents=True, exist_ok=True)
+        data_run_id = tracking.parse_run_ref(cfg.data)[0] if cfg.data.startswith("runs:/") else None
+        data = open_prepared(resolve_data(cfg.data, work / "data"), verify=True)
+        manifest = data.manifest
+
+        parent = resolve_init(cfg.init, cache=work_dir() / "cache")
+        files, layout, sha, key_remap = None, "none", "none", "none"
+        if not parent.is_random:
+            files = find_checkpoint(parent.path, allow_pickle=cfg.allow_pickle)
+            layout = detect_layout(read_header(files))
+            key_remap = "midlayer.->layers.0." if layout == "midlayer" else "none"
+            sha = sha256_files(files.weights)
+            p_aux = parent_aux_layers(files.config)
+            if p_aux and p_aux != manifest["aux_layer_ids"]:
+                raise DataError(f"parent {parent.name} reads aux layers {p_aux} but the data has "
+                                f"{manifest['aux_layer_ids']}: prepare the data with --aux-layers "
+                                f"{','.join(map(str, p_aux))}")
+        vocab, counts = choose_vocab(cfg, files, data, manifest["vocab_size"])
+        vocab_file = work / "vocab.safetensors"
+        save_file({"d2t": vocab["d2t"].contiguous(), "t2d": vocab["t2d"].contiguous()}, str(vocab_file))
+
+        params = {
+            **lineage.parent_params(parent, sha256=sha, layout=layout, key_remap=key_remap),
+            "vocab.policy": cfg.vocab if not parent.is_random else "rebuild",
+            "vocab.draft_size": counts["draft_size"],
+            "vocab.kept": counts["kept"], "vocab.added": counts["added"], "vocab.dropped": counts["dropped"],
+            "verifier.name_or_path": manifest["verifier"],
+            "verifier.aux_layers": manifest["aux_layer_ids"],
+            "data.digest": manifest["digest"],
+            "data.uri": cfg.data,
+            "zero.stage": cfg.zero_stage,
+            "world_size": ranks,
+            "ttt_steps": cfg.ttt_steps,
+            "optimizer.name": "AdamW", "optimizer.lr": cfg.lr, "optimizer.betas": "(0.9, 0.95)",
+            "optimizer.weight_decay": cfg.weight_decay, "optimizer.warmup_steps": cfg.warmup_steps,
+            "optimizer.grad_clip": cfg.grad_clip,
+            "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
+            "train.precision": cfg.precision, "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl,
+        }
+        tracking.log_params_once(params, run_id)
+        mlflow.set_tags({**lineage.parent_tags(parent, data_run_id), **lineage.environment_tags()})
+
+        ckpt_dir = work / "checkpoints"
+        ckpt_dir.mkdir(exist_ok=True)
+        spec = {
+            "run_id": run_id, "data_dir": str(data.root), "verifier": manifest["verifier"],
+            "aux_layer_ids": manifest["aux_layer_ids"], "vocab_file": str(vocab_file),
+            "vocab_policy": cfg.vocab, "parent_path": str(parent.path) if parent.path else None,
+            "allow_pickle": cfg.allow_pickle, "steps": cfg.steps, "ttt_steps": cfg.ttt_steps,
+            "tokens_per_batch": cfg.tokens_per_batch, "precision": cfg.precision, "seed": cfg.seed,
+            "save_every": cfg.save_every, "log_every": cfg.log_every, "attn_impl": cfg.attn_impl,
+            "ds_config": ds_config(cfg), "checkpoint_dir": str(ckpt_dir),
+            "load_report": str(work / "parent_load_report.json"), "error_file": str(work / "rank_error.json"),
+        }
+        launch(spec, work / "worker_spec.json", ranks=ranks, on_cpu=on_cpu, hostfile=cfg.hostfile)
+
+        meta = lineage.training_metadata(params, counts, extra={"finetune_run_id": run_id,
+                                                                 "data_run_id": data_run_id})
+        lineage.write_json(ckpt_dir / lineage.METADATA_FILE, meta)
+        (work / "training_config.json").write_text(cfg.model_dump_json(indent=2))
+        mlflow.log_artifact(str(ckpt_dir / lineage.METADATA_FILE))
+        mlflow.log_artifact(str(work / "training_config.json"))
+        if (work / "parent_load_report.json").is_file():
+            mlflow.log_artifact(str(work / "parent_load_report.json"))
+        mlflow.log_artifacts(str(ckpt_dir), artifact_path="checkpoints")
+    return {"run_id": run_id, "checkpoint_uri": f"runs:/{run_id}/checkpoints"}

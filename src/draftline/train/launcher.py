@@ -1,0 +1,80 @@
+"""Start the ranks of a finetune through DeepSpeed's own launcher.
+
+``python -m deepspeed.launcher.runner --num_gpus N [--hostfile H] --master_port P --no_local_rank --module
+draftline.train.worker --spec SPEC``. Without a GPU the ranks run on the CPU (``DS_ACCELERATOR=cpu``, gloo);
+the rank count is always passed explicitly (the launcher counts one CPU "device" otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from draftline.errors import DraftlineError, TrainingError
+
+
+def gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def resolve_ranks(gpus: int) -> tuple[int, bool]:
+    """``(ranks, on_cpu)``: gpus=0 means every GPU, or one CPU rank where there is none."""
+    available = gpu_count()
+    if available == 0:
+        return max(gpus, 1), True
+    if gpus > available:
+        raise TrainingError(f"gpus={gpus} but this node has {available} GPU(s); pass gpus<={available} "
+                            "or a hostfile for more nodes")
+    return gpus or available, False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(spec_path: Path, ranks: int, hostfile: str | None, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if hostfile:
+        if not Path(hostfile).is_file():
+            raise TrainingError(f"hostfile {hostfile} does not exist")
+        cmd += ["--hostfile", hostfile]
+    else:
+        cmd += ["--num_gpus", str(ranks)]
+    cmd += ["--master_port", str(port), "--no_local_rank", "--module", "draftline.train.worker",
+            "--spec", str(spec_path)]
+    return cmd
+
+
+def launch(spec: dict, spec_path: Path, *, ranks: int, on_cpu: bool, hostfile: str | None = None) -> None:
+    """Run the ranks to completion; a failing rank's message is raised here (a DraftlineError stays one)."""
+    spec_path.write_text(json.dumps(spec, indent=2))
+    error_file = Path(spec["error_file"])
+    error_file.unlink(missing_ok=True)
+    env = dict(os.environ)
+    if on_cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    proc = subprocess.run(command(spec_path, ranks, hostfile, free_port()), env=env)
+    if proc.returncode == 0:
+        return
+    if error_file.is_file():
+        err = json.loads(error_file.read_text())
+        if err.get("draftline"):
+            from draftline import errors
+
+            cls = getattr(errors, err["type"], DraftlineError)
+            raise cls(err["message"])
+        raise TrainingError(f"a training rank failed:\n{err['message']}")
+    raise TrainingError(f"the DeepSpeed launcher exited with {proc.returncode}; see the rank output above")

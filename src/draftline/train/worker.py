@@ -1,0 +1,162 @@
+"""One DeepSpeed rank of a finetune. Started by the DeepSpeed launcher (``python -m draftline.train.worker
+--spec SPEC.json``), never by hand; ``draftline finetune`` writes the spec and launches it.
+
+Reads top to bottom: distributed init -> data -> model (bf16) -> parent weights -> DeepSpeed engine ->
+resume -> loop (forward, backward, step, all-reduced metrics logged by rank 0) -> checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def _log_metrics(client, run_id: str, metrics: dict[str, float], step: int) -> None:
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+
+def _all_reduce_sums(sums: dict[str, float]) -> dict[str, float]:
+    import torch.distributed as dist
+
+    keys = sorted(sums)
+    t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--spec", required=True)
+    args = ap.parse_args(argv)
+    spec = json.loads(Path(args.spec).read_text())
+    error_file = Path(spec["error_file"])
+    try:
+        train(spec)
+    except BaseException as e:  # the launcher only sees exit codes: leave the message for the parent
+        if int(os.environ.get("RANK", "0")) == 0 or not error_file.exists():
+            from draftline.errors import DraftlineError
+
+            msg = str(e) if isinstance(e, DraftlineError) else "".join(traceback.format_exception(e))
+            error_file.write_text(json.dumps({"type": type(e).__name__, "message": msg,
+                                              "draftline": isinstance(e, DraftlineError)}))
+        raise
+    return 0
+
+
+def train(spec: dict) -> None:
+    import deepspeed
+    from mlflow import MlflowClient
+
+    from draftline.checkpoints import find_checkpoint, load_into_model
+    from draftline.data.shards import open_prepared
+    from draftline.train.batches import batches
+    from draftline.train.model import (accumulate, build_draft_model, forward, loss_config, pack, summarise,
+                                       trainable_parameters)
+
+    on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local_rank}") if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    torch.manual_seed(spec["seed"])
+    dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
+
+    # data: every rank memory-maps the same shards and takes its own batches
+    data = open_prepared(Path(spec["data_dir"]))
+    records = data.records()
+
+    # model: built, cast, then the parent's weights copied in (never under zero.Init; see DESIGN.md)
+    from safetensors.torch import load_file
+
+    vocab = load_file(spec["vocab_file"])
+    model = build_draft_model(spec["verifier"], d2t=vocab["d2t"], t2d=vocab["t2d"],
+                              aux_layer_ids=spec["aux_layer_ids"], draft_vocab_size=int(vocab["d2t"].numel()),
+                              ttt_steps=spec["ttt_steps"], attn_impl=spec["attn_impl"], dtype=dtype)
+    if spec.get("parent_path"):
+        remap = None
+        if spec["vocab_policy"] == "rebuild":
+            from draftline.vocab import plan_remap, remap_lm_head
+            from speculators.utils.loading import load_model_layers
+
+            parent_files = find_checkpoint(spec["parent_path"], allow_pickle=spec["allow_pickle"])
+            from draftline.checkpoints import read_tensors
+
+            old_d2t = read_tensors(parent_files, {"d2t"})["d2t"]
+            full_head = load_model_layers(["lm_head.weight"], spec["verifier"])["lm_head.weight"]
+            plan = plan_remap(old_d2t, vocab["d2t"])
+            remap = lambda old: remap_lm_head(old, plan, vocab["d2t"], full_head)  # noqa: E731
+        report = load_into_model(model, find_checkpoint(spec["parent_path"], allow_pickle=spec["allow_pickle"]),
+                                 lm_head_remap=remap)
+        if rank == 0:
+            Path(spec["load_report"]).write_text(json.dumps(report.__dict__, indent=2))
+    model.to(device)
+
+    ds_config = spec["ds_config"]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model),
+                                           config=ds_config)
+    ckpt_dir = Path(spec["checkpoint_dir"])
+    start_step = 0
+    if (ckpt_dir / "latest").is_file():
+        _, client_state = engine.load_checkpoint(str(ckpt_dir))
+        start_step = int((client_state or {}).get("step", 0))
+        if rank == 0:
+            print(f"[draftline] resumed from {ckpt_dir} at step {start_step}", flush=True)
+
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    client = MlflowClient() if rank == 0 and spec.get("run_id") else None
+    cfg = loss_config()
+    steps, ttt = spec["steps"], spec["ttt_steps"]
+    stream = batches(records, spec["tokens_per_batch"], seed=spec["seed"], rank=rank, world_size=world,
+                     start_step=start_step)
+    engine.train()
+    step, tick = start_step, time.perf_counter()
+    window_tokens = 0
+    while step < steps:
+        batch = pack(next(stream), device)
+        batch["hidden_states"] = batch["hidden_states"].to(dtype)
+        batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(dtype)
+        loss, metrics = forward(engine, batch, ttt, cfg)
+        engine.backward(loss)
+        engine.step()
+        step += 1
+        window_tokens += int(batch["input_ids"].numel())
+        if step % spec["log_every"] == 0 or step == steps:
+            sums = accumulate({"tokens": float(window_tokens)}, metrics)
+            sums = _all_reduce_sums(sums)
+            elapsed = time.perf_counter() - tick
+            if client:
+                out = {f"train/{k}": v for k, v in summarise(sums, ttt).items() if not k.startswith("tokens")}
+                out["train/lr"] = engine.get_lr()[0]
+                out["train/tokens_per_s"] = sums["tokens"] / max(elapsed, 1e-9)
+                _log_metrics(client, spec["run_id"], out, step)
+            tick, window_tokens = time.perf_counter(), 0
+        if step % spec["save_every"] == 0 or step == steps or stop["now"]:
+            engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
+            if rank == 0:  # keep the newest checkpoint only (save_checkpoint ends with a barrier)
+                for old in ckpt_dir.glob("step*"):
+                    if old.name != f"step{step}":
+                        shutil.rmtree(old, ignore_errors=True)
+        if stop["now"]:
+            if rank == 0:
+                print(f"[draftline] SIGTERM: saved step {step}; rerun the same run to resume", flush=True)
+            sys.exit(143)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
