@@ -38,8 +38,9 @@ class FinetuneConfig(_Strict):
                                             "| models:/NAME@alias.")
     vocab: Literal["parent", "rebuild"] = Field("parent", description="Draft vocabulary: keep the parent's "
                                                 "d2t/t2d, or rebuild them from the data and permute lm_head rows.")
-    draft_vocab_size: int = Field(32000, ge=2, description="Draft vocabulary size when it is built from data "
-                                                           "(init=random or vocab=rebuild).")
+    draft_vocab_size: int | None = Field(None, ge=2, description="Draft vocabulary size when it is built from "
+                                         "data (init=random or vocab=rebuild); default: the parent's, or "
+                                         "min(32000, verifier vocabulary).")
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     gpus: int = Field(0, ge=0, description="Ranks on this node (0: all GPUs, or 1 CPU rank without GPUs).")
     hostfile: str | None = Field(None, description="DeepSpeed hostfile for multi-node runs.")

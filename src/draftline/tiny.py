@@ -154,9 +154,11 @@ def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, see
     d2t, t2d = build_vocab(freqs, TINY_DEFAULTS["draft_vocab_size"])
 
     torch.manual_seed(seed)
+    # fp32 here only because bf16 matmuls are ~10x slower on a CPU; the parent is saved in bf16 like AQ-MedAI's
     model = build_draft_model(str(verifier_dir), d2t=d2t, t2d=t2d, aux_layer_ids=aux,
-                              draft_vocab_size=TINY_DEFAULTS["draft_vocab_size"])
-    train_steps_in_process(model, batch, steps=parent_steps, lr=3e-3, progress=progress)
+                              draft_vocab_size=TINY_DEFAULTS["draft_vocab_size"], dtype=torch.float32)
+    train_steps_in_process(model, batch, steps=parent_steps, lr=3e-3, tokens_per_batch=512, seed=seed,
+                           progress=progress)
 
     parent_dir.mkdir(parents=True, exist_ok=True)
     state = to_midlayer_layout({k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v

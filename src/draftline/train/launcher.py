@@ -66,7 +66,8 @@ def launch(spec: dict, spec_path: Path, *, ranks: int, on_cpu: bool, hostfile: s
         env["DS_ACCELERATOR"] = "cpu"
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    proc = subprocess.run(command(spec_path, ranks, hostfile, free_port()), env=env)
+    # rank output goes to stderr: stdout carries only the command's result
+    proc = subprocess.run(command(spec_path, ranks, hostfile, free_port()), env=env, stdout=sys.stderr)
     if proc.returncode == 0:
         return
     if error_file.is_file():

@@ -111,8 +111,12 @@ def train_steps_in_process(model, records: Sequence[dict[str, torch.Tensor]], *,
     model.train()
     it = batches(records, tokens_per_batch, seed=seed)
     last: dict[str, float] = {}
-    for _ in trange(steps, desc="train parent", disable=not progress):
-        loss, metrics = forward(model, pack(next(it)), ttt_steps, cfg)
+    dtype = params[0].dtype
+    for _ in trange(steps, desc="train", disable=not progress):
+        batch = pack(next(it))
+        for key in ("hidden_states", "verifier_last_hidden_states"):
+            batch[key] = batch[key].to(dtype)
+        loss, metrics = forward(model, batch, ttt_steps, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)

@@ -1,0 +1,226 @@
+"""``draftline``: the command line. Each command parses flags and calls one library function.
+
+Options of the stage commands are generated from the stage's pydantic settings (their descriptions are the
+help), and ``--config FILE`` supplies any of them from YAML (flag > file > default). Expected failures print one
+line and exit 1 (2 for usage errors); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import typing
+from pathlib import Path
+
+import click
+
+from draftline.errors import DraftlineError
+
+os.environ.setdefault("LOGURU_LEVEL", "WARNING")  # speculators logs every file it opens at INFO
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DraftlineError as e:
+            click.secho(f"error: {e}", fg="red", err=True)
+            ctx.exit(e.exit_code)
+
+
+def _is_list(annotation) -> bool:
+    return any(typing.get_origin(a) is list for a in (annotation, *typing.get_args(annotation)))
+
+
+def _metavar(annotation) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return "[" + "|".join(str(a) for a in args) + "]"
+    if _is_list(annotation):
+        return "A,B,C"
+    inner = [a for a in args if a is not type(None)] if args else [annotation]
+    return {int: "INT", float: "FLOAT"}.get(inner[0], "TEXT") if len(inner) == 1 else "TEXT"
+
+
+def settings_options(model):
+    """Decorate a command with one option per settings field (``--kebab-name``), help from the description."""
+
+    def decorate(f):
+        for name, field in reversed(list(model.model_fields.items())):
+            flag = "--" + name.replace("_", "-")
+            default = None if field.is_required() else field.default
+            help_ = (field.description or "") + (f"  [default: {default}]" if default not in (None, "") else "")
+            if field.annotation is bool:
+                f = click.option(f"{flag}/--no-{name.replace('_', '-')}", name, default=None, help=help_)(f)
+            else:
+                # strings in, pydantic validates: an empty value (MLproject's "unset") means the default
+                f = click.option(flag, name, type=str, default=None, help=help_,
+                                 metavar=_metavar(field.annotation))(f)
+        return click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+                            help="YAML file of settings (flags override it).")(f)
+
+    return decorate
+
+
+def _settings(model, config_file, flags):
+    from draftline.config import resolve
+
+    flags = {k: v for k, v in flags.items() if v != ""}
+    for name, field in model.model_fields.items():
+        value = flags.get(name)
+        if _is_list(field.annotation) and isinstance(value, str):
+            try:
+                flags[name] = [int(x) for x in value.replace(" ", "").split(",") if x]
+            except ValueError:
+                raise click.BadParameter(f"expected comma-separated integers such as 2,30,58, got {value!r}",
+                                         param_hint="--" + name.replace("_", "-")) from None
+    return resolve(model, flags=flags, file=config_file)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="draftline")
+@click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
+def cli(verbose: bool):
+    """draftline: EAGLE-3 drafters made from a verifier's own outputs, finetuned from a parent drafter with
+    DeepSpeed ZeRO, and shipped with their lineage through the MLflow Model Registry to vLLM.
+
+    \b
+    Pipeline:  prepare -> finetune -> export (registers a version) -> promote -> pull
+    Tracking:  MLFLOW_TRACKING_URI (default: sqlite:///$PWD/mlflow.db); experiment: DRAFTLINE_EXPERIMENT
+    """
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(message)s")
+
+
+@cli.command("make-tiny")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--conversations", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Text to train the tokenizer and the parent on [default: the demo conversations].")
+@click.option("--parent-steps", type=click.IntRange(0, 100000), default=150, show_default=True,
+              help="Optimiser steps for the tiny parent.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_tiny_cmd(out_dir, conversations, parent_steps, seed):
+    """Write a tiny verifier (OUT_DIR/verifier) and a tiny AQ-MedAI-layout parent (OUT_DIR/parent).
+
+    The catalog entry `init=tiny` finds the parent through DRAFTLINE_TINY_DIR=OUT_DIR (or work/tiny)."""
+    from draftline.parents import repo_root
+    from draftline.tiny import make_tiny
+
+    src = Path(conversations) if conversations else repo_root() / "configs" / "demo" / "conversations.jsonl"
+    paths = make_tiny(Path(out_dir), src, parent_steps=parent_steps, seed=seed)
+    click.echo(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
+
+
+from draftline.config import ExportConfig, FinetuneConfig, PrepareConfig  # noqa: E402  (pydantic only: cheap)
+
+
+@cli.command()
+@settings_options(PrepareConfig)
+def prepare(config_file, **flags):
+    """Conversations -> verifier hidden states (one MLflow run; prints the data URI)."""
+    from draftline.data.prepare import run
+
+    click.echo(json.dumps(run(_settings(PrepareConfig, config_file, flags)), indent=2))
+
+
+@cli.command()
+@settings_options(FinetuneConfig)
+@click.option("--resume", "resume_run", default=None, metavar="RUN_ID",
+              help="Continue this finetune run from its last DeepSpeed checkpoint.")
+def finetune(config_file, resume_run, **flags):
+    """Finetune a drafter from a parent with DeepSpeed ZeRO (one MLflow run)."""
+    from draftline.train.finetune import run
+
+    click.echo(json.dumps(run(_settings(FinetuneConfig, config_file, flags), resume_run=resume_run), indent=2))
+
+
+@cli.command()
+@settings_options(ExportConfig)
+def export(config_file, **flags):
+    """Consolidate, validate and register a finetune run's drafter as a new model version."""
+    from draftline.export import run
+
+    click.echo(json.dumps(run(_settings(ExportConfig, config_file, flags)), indent=2))
+
+
+@cli.command("main")
+@click.option("--conversations", required=True, help="Conversations file for prepare.")
+@click.option("--verifier", required=True, help="Verifier directory or cached repo id.")
+@click.option("--init", default="random", show_default=True, help="Parent drafter (see finetune --help).")
+@click.option("--registered-model", default="draftline-drafter", show_default=True)
+@click.option("--set", "overrides", multiple=True, metavar="STEP.KEY=VALUE",
+              help="Extra entry-point parameter, e.g. finetune.steps=20 (repeatable).")
+@click.option("--no-cache", is_flag=True, help="Rerun every step even if a matching finished run exists.")
+def main_cmd(conversations, verifier, init, registered_model, overrides, no_cache):
+    """prepare -> finetune -> export as child runs of one MLflow run, reusing finished steps that match."""
+    from draftline.pipeline import run_main
+
+    extra: dict[str, dict[str, str]] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        step, dot, name = key.partition(".")
+        if not sep or not dot or step not in ("prepare", "finetune", "export"):
+            raise click.BadParameter(f"expected STEP.KEY=VALUE with STEP in prepare|finetune|export, got {item!r}",
+                                     param_hint="--set")
+        extra.setdefault(step, {})[name] = value
+    out = run_main(conversations=conversations, verifier=verifier, init=init,
+                   registered_model=registered_model, extra=extra, use_cache=not no_cache)
+    click.echo(json.dumps(out, indent=2))
+
+
+@cli.command()
+@click.argument("name")
+@click.argument("version")
+@click.option("--to", "stage", type=click.Choice(["Staging", "Production"], case_sensitive=False), required=True)
+def promote(name, version, stage):
+    """Move VERSION of registered model NAME to a stage and point the alias (@staging/@production) at it."""
+    from mlflow import MlflowClient
+
+    from draftline import registry, tracking
+
+    tracking.setup()
+    mv = registry.promote(MlflowClient(), name, version, stage)
+    click.echo(f"models:/{name}/{mv.version} is now {mv.current_stage} (alias @{stage.lower()})")
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--stage", default=None, help="Pull the version in this stage (e.g. Production).")
+@click.option("--alias", default=None, help="Pull the version this alias points at (e.g. production).")
+@click.option("--version", "version", default=None, help="Pull this version number.")
+@click.option("--dest", type=click.Path(file_okay=False), required=True, help="Directory to download into.")
+@click.option("--verifier", default=None, help="Refuse the version unless it was trained for this verifier.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def pull(name, stage, alias, version, dest, verifier, as_json):
+    """Download a registered drafter, verify every file against its checksums, print the vLLM command."""
+    from mlflow import MlflowClient
+
+    from draftline import registry, tracking
+
+    tracking.setup()
+    out = registry.pull(MlflowClient(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
+                        verifier=verifier)
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+    else:
+        click.echo(f"pulled models:/{name}/{out['version']} into {out['path']} (checksums verified)\n{out['command']}")
+
+
+@cli.command()
+@click.argument("target")
+@click.option("--allow-pickle", is_flag=True, help="Read a pickle-only checkpoint (weights_only=True).")
+def inspect(target, allow_pickle):
+    """Describe a drafter checkpoint (directory, runs:/ or models:/ URI) without loading it."""
+    from draftline.inspect import describe
+
+    click.echo(json.dumps(describe(target, allow_pickle=allow_pickle), indent=2))
+
+
+def main() -> None:
+    cli(prog_name="draftline")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

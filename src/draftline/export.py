@@ -1,0 +1,207 @@
+"""The export stage: consolidate the ZeRO checkpoint, write a directory vLLM loads as it is, validate it by
+reloading it through speculators, log it, and register it as a new model version carrying the lineage.
+
+The directory (``drafter/``): ``config.json`` (speculators format, with the verifier, aux-layer ids, draft
+vocabulary and target hidden size always written), ``model.safetensors``, ``lineage.json``, ``README.md`` (a
+model card with ``base_model:``) and ``checksums.json`` (sha256 of every other file), written last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sys
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from draftline.config import ExportConfig
+from draftline.errors import CheckpointError, DataError, DraftlineError
+
+CHECKSUMS = "checksums.json"
+
+
+def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own consolidation (any ZeRO stage, any rank count) of the newest checkpoint."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if not (checkpoint_dir / "latest").is_file():
+        raise CheckpointError(f"{checkpoint_dir} holds no DeepSpeed checkpoint (no 'latest' file)")
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints progress to stdout
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir))
+
+
+def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str]):
+    """A fresh drafter for the run's verifier and vocabulary, with the consolidated weights copied in."""
+    from draftline.checkpoints import VERIFIER_OWNED
+    from draftline.train.model import build_draft_model
+
+    aux = json.loads(params["verifier.aux_layers"])
+    model = build_draft_model(params["verifier.name_or_path"], d2t=state["d2t"], t2d=state["t2d"],
+                              aux_layer_ids=aux, draft_vocab_size=int(state["d2t"].numel()),
+                              ttt_steps=int(params["ttt_steps"]), dtype=torch.bfloat16)
+    expected = {k for k in model.state_dict() if k not in VERIFIER_OWNED}
+    missing = sorted(expected - set(state))
+    if missing:
+        raise CheckpointError(f"the consolidated checkpoint lacks {', '.join(missing)}")
+    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+    return model.eval()
+
+
+def sha256_manifest(directory: Path) -> dict[str, str]:
+    from draftline.checkpoints import file_sha256
+
+    return {p.name: file_sha256(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != CHECKSUMS}
+
+
+def model_card(lineage: dict, metrics: dict[str, float]) -> str:
+    base = lineage.get("parent.source") if lineage.get("parent.source") not in (None, "none") else \
+        lineage.get("verifier.name_or_path")
+    rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in sorted(lineage.items()))
+    mrows = "\n".join(f"| `{k}` | {v:.4f} |" for k, v in sorted(metrics.items()))
+    return f"""---
+base_model: {base}
+library_name: speculators
+tags: [eagle3, speculative-decoding, draftline]
+---
+# EAGLE-3 drafter
+
+Trained by draftline for the verifier `{lineage.get('verifier.name_or_path')}`; serve it with vLLM:
+
+```
+vllm serve {lineage.get('verifier.name_or_path')} --speculative-config '{{"model": "<this dir>", "method": "eagle3", "num_speculative_tokens": {lineage.get('ttt_steps', 3)}}}'
+```
+
+## Lineage
+
+| fact | value |
+|---|---|
+{rows}
+
+## Metrics at the end of finetuning
+
+| metric | value |
+|---|---|
+{mrows}
+"""
+
+
+def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float]) -> dict[str, str]:
+    """Write the speculators-format directory; returns the checksum manifest."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.target_hidden_size = model.hidden_size
+    model.save_pretrained(str(out), safe_serialization=True)
+    cfg = json.loads((out / "config.json").read_text())
+    for key in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "target_hidden_size"):
+        if cfg.get(key) is None:
+            raise CheckpointError(f"the exported config.json lacks {key}; vLLM would fall back to defaults")
+    if not (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path"):
+        raise CheckpointError("the exported config.json names no verifier")
+    (out / "lineage.json").write_text(json.dumps(lineage, indent=2, sort_keys=True) + "\n")
+    (out / "README.md").write_text(model_card(lineage, metrics))
+    manifest = sha256_manifest(out)
+    (out / CHECKSUMS).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
+def write_midlayer(model, out: Path, params: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    from draftline.checkpoints import to_midlayer_layout
+    from draftline.tiny import specforge_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = to_midlayer_layout({k: v.detach().contiguous() for k, v in model.state_dict().items()})
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    verifier_cfg = model.config.transformer_layer_config
+    cfg = specforge_config(verifier_cfg, draft_vocab_size=model.draft_vocab_size,
+                           aux_layer_ids=json.loads(params["verifier.aux_layers"]))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def validate(model, out: Path, seed: int = 0) -> None:
+    """Reload ``out`` with speculators and require identical weights and identical outputs on a batch."""
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    config = Eagle3SpeculatorConfig.from_pretrained(str(out))
+    config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (not saved; flex needs a GPU)
+    reloaded = Eagle3DraftModel.from_pretrained(str(out), config=config).to(torch.bfloat16).eval()
+    ours, theirs = model.state_dict(), reloaded.state_dict()
+    for key in (k for k in ours if k in theirs):
+        if not torch.equal(ours[key].cpu(), theirs[key].cpu()):
+            raise CheckpointError(f"export validation failed: {key} differs after reloading {out}")
+    g = torch.Generator().manual_seed(seed)
+    n, h = 32, model.hidden_size
+    aux = len(model.config.eagle_aux_hidden_state_layer_ids)
+    ids = torch.randint(0, model.verifier_vocab_size, (1, n), generator=g)
+    batch = {"hidden_states": torch.randn(1, n, aux * h, generator=g).to(torch.bfloat16), "input_ids": ids,
+             "document_ids": torch.zeros(1, n, dtype=torch.long), "position_ids": torch.arange(n).unsqueeze(0)}
+    with torch.no_grad():
+        a, b = model(**batch, ttt_steps=3), reloaded(**batch, ttt_steps=3)
+    if not all(torch.equal(x, y) for x, y in zip(a, b)):
+        raise CheckpointError(f"export validation failed: the reloaded drafter in {out} drafts other tokens")
+
+
+def run(cfg: ExportConfig) -> dict[str, str]:
+    """The export stage as one MLflow run. Returns ``{"run_id", "model_uri", "version"}``."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from draftline import lineage as lin
+    from draftline import registry, tracking
+
+    tracking.setup()
+    client = MlflowClient()
+    ft_id = tracking.parse_run_ref(cfg.run)[0]
+    try:
+        ft = client.get_run(ft_id)
+    except Exception:  # noqa: BLE001
+        raise DataError(f"finetune run {ft_id} does not exist on {tracking.tracking_uri()}") from None
+    if ft.info.status != "FINISHED" or ft.data.tags.get("draftline.step") != "finetune":
+        raise DataError(f"run {ft_id} is not a finished finetune run (status {ft.info.status}, step "
+                        f"{ft.data.tags.get('draftline.step')}); export a finetune run that finished")
+    params = ft.data.params
+    metrics = {k: v for k, v in ft.data.metrics.items() if k in lin.HEADLINE_METRICS}
+
+    with tracking.stage_run("export", run_name="export",
+                            tags={"draftline.finetune.run_id": ft_id}) as active, \
+            tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp:
+        tmp = Path(tmp)
+        ckpt = tracking.download(f"runs:/{ft_id}/checkpoints", tmp)
+        model = build_trained_model(consolidate(ckpt), params)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        lineage = {k: params[k] for k in lin.VERSION_TAG_PARAMS if k in params}
+        lineage.update({"finetune.run_id": ft_id, "ttt_steps": params.get("ttt_steps", "3")})
+        out = tmp / "drafter"
+        try:
+            manifest = write_drafter(model, out, lineage, metrics)
+        except OSError as e:
+            raise DraftlineError(f"cannot write the export to {tmp} ({e.strerror}); free space in "
+                                 f"{tempfile.gettempdir()} or set TMPDIR") from None
+        validate(model, out)
+        export_sha = export_digest(manifest)
+        tracking.log_params_once({"export.layout": cfg.layout, "export.registered_model": cfg.registered_model,
+                                  **{k: v for k, v in lineage.items() if k != "ttt_steps"}})
+        mlflow.log_artifacts(str(out), artifact_path="drafter")
+        if cfg.layout == "midlayer":
+            write_midlayer(model, tmp / "midlayer", params)
+            mlflow.log_artifacts(str(tmp / "midlayer"), artifact_path="midlayer")
+        tags = {**lineage, "export.sha256": export_sha, "export.validated": "true",
+                "export.run_id": active.info.run_id,
+                **{f"metric.{k}": f"{v:.4f}" for k, v in metrics.items()}}
+        mlflow.set_tags({"export.sha256": export_sha, "export.validated": "true"})
+        version = registry.register(client, cfg.registered_model,
+                                    source=f"{active.info.artifact_uri}/drafter", run_id=active.info.run_id,
+                                    tags=tags, description=registry.describe(lineage))
+        mlflow.set_tag("draftline.model_version", f"models:/{cfg.registered_model}/{version.version}")
+    return {"run_id": active.info.run_id, "model_uri": f"models:/{cfg.registered_model}/{version.version}",
+            "version": str(version.version)}
+
+
+def export_digest(manifest: dict[str, str]) -> str:
+    """One sha256 naming the whole export: over the sorted (file, sha256) pairs."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+

@@ -1,0 +1,158 @@
+"""The MLflow Model Registry, through ``MlflowClient`` only: register versions, resolve URIs, promote, pull.
+
+A version is created with all its lineage tags in one call, so it exists whole or not at all; if waiting for
+it fails, it is deleted again. Promotion sets the stage (archiving the previous holder, so
+``models:/NAME/Production`` resolves) and the lower-case alias (``models:/NAME@production``).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import re
+import shlex
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from draftline.errors import RegistryError, VerificationError
+
+STAGES = ("Staging", "Production", "Archived", "None")
+_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/@]+)|@(?P<alias>[^/@]+))/?$")
+
+
+def _mlflow_error(e: Exception) -> str:
+    return getattr(e, "message", None) or str(e).splitlines()[0]
+
+
+def resolve_version(client, uri: str):
+    """``models:/NAME/VERSION``, ``models:/NAME/STAGE`` or ``models:/NAME@alias`` -> ``(name, ModelVersion)``."""
+    m = _URI.match(uri)
+    if not m:
+        raise RegistryError(f"{uri} is not a registry URI: use models:/NAME/VERSION, models:/NAME/STAGE or "
+                            "models:/NAME@alias")
+    name, ref, alias = m["name"], m["ref"], m["alias"]
+    try:
+        if alias:
+            return name, client.get_model_version_by_alias(name, alias)
+        if ref.isdigit():
+            return name, client.get_model_version(name, ref)
+        stage = ref.capitalize()
+        latest = client.get_latest_versions(name, stages=[stage])
+    except Exception as e:  # noqa: BLE001
+        raise RegistryError(f"{uri} does not resolve: {_mlflow_error(e)}") from None
+    if not latest:
+        raise RegistryError(f"{uri} does not resolve: no version of {name} is in stage {stage}")
+    return name, latest[0]
+
+
+def describe(lineage: dict) -> str:
+    parent = lineage.get("parent.source", "none")
+    origin = "random init" if parent in ("none", None) else f"parent {parent} (sha256 {lineage.get('parent.sha256', '?')[:12]})"
+    return (f"EAGLE-3 drafter for {lineage.get('verifier.name_or_path')}, finetuned from {origin} on data "
+            f"{lineage.get('data.digest', '?')[:12]} (vocab {lineage.get('vocab.policy')}); finetune run "
+            f"{lineage.get('finetune.run_id')}.")
+
+
+def register(client, name: str, *, source: str, run_id: str, tags: dict[str, str], description: str,
+             timeout_s: float = 300):
+    """Create version K of ``name`` (creating the registered model if needed), with every tag at once."""
+    try:
+        client.get_registered_model(name)
+    except Exception:  # noqa: BLE001
+        try:
+            client.create_registered_model(name, description="EAGLE-3 drafters registered by draftline")
+        except Exception as e:  # noqa: BLE001  (a concurrent creator may have won: fine if it exists now)
+            try:
+                client.get_registered_model(name)
+            except Exception:  # noqa: BLE001
+                raise RegistryError(f"cannot create registered model {name}: {_mlflow_error(e)}") from None
+    try:
+        version = client.create_model_version(name, source=source, run_id=run_id,
+                                              tags={k: str(v) for k, v in tags.items()}, description=description)
+    except Exception as e:  # noqa: BLE001
+        raise RegistryError(f"cannot register a version of {name}: {_mlflow_error(e)}") from None
+    deadline = time.monotonic() + timeout_s
+    while version.status == "PENDING_REGISTRATION" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        version = client.get_model_version(name, version.version)
+    if version.status != "READY":
+        client.delete_model_version(name, version.version)
+        raise RegistryError(f"version {version.version} of {name} did not become READY ({version.status}); "
+                            "it was removed")
+    return version
+
+
+def promote(client, name: str, version: str, stage: str, *, policy: str = "none"):
+    """Move ``version`` to ``stage`` (archiving the current holder) and point the alias at it."""
+    stage = stage.capitalize()
+    if stage not in ("Staging", "Production"):
+        raise RegistryError(f"stage {stage} is not Staging or Production")
+    try:
+        mv = client.get_model_version(name, version)
+    except Exception as e:  # noqa: BLE001
+        raise RegistryError(f"models:/{name}/{version} does not exist: {_mlflow_error(e)}") from None
+    if mv.tags.get("export.validated") != "true":
+        raise RegistryError(f"models:/{name}/{version} was not validated at export (export.validated != true); "
+                            "it cannot be promoted")
+    try:
+        client.transition_model_version_stage(name, version, stage, archive_existing_versions=True)
+        client.set_registered_model_alias(name, stage.lower(), version)
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        for k, v in {f"promoted.{stage.lower()}.by": getpass.getuser(), f"promoted.{stage.lower()}.at": now,
+                     f"promoted.{stage.lower()}.policy": policy}.items():
+            client.set_model_version_tag(name, version, k, v)
+    except Exception as e:  # noqa: BLE001
+        raise RegistryError(f"cannot promote models:/{name}/{version} to {stage}: {_mlflow_error(e)}") from None
+    return client.get_model_version(name, version)
+
+
+def verify_dir(directory: Path) -> dict[str, str]:
+    """Check every file against ``checksums.json``; refuse missing, extra-path or altered files."""
+    from draftline.checkpoints import file_sha256
+    from draftline.export import CHECKSUMS
+
+    path = directory / CHECKSUMS
+    if not path.is_file():
+        raise VerificationError(f"{directory} has no {CHECKSUMS}: not a draftline export, refusing it")
+    manifest = json.loads(path.read_text())
+    root = directory.resolve()
+    for name, digest in manifest.items():
+        target = (directory / name).resolve()
+        if root not in target.parents:
+            raise VerificationError(f"{CHECKSUMS} names {name!r}, which escapes {directory}; refusing it")
+        if not target.is_file():
+            raise VerificationError(f"{name} is missing from the download of {directory}")
+        if file_sha256(target) != digest:
+            raise VerificationError(f"{name} does not match its sha256 in {CHECKSUMS}: the download was altered "
+                                    "or corrupted; refusing it")
+    return manifest
+
+
+def vllm_command(directory: Path, verifier: str, num_speculative_tokens: int = 3) -> tuple[str, dict]:
+    spec = {"model": str(directory), "method": "eagle3", "num_speculative_tokens": num_speculative_tokens}
+    return f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(json.dumps(spec))}", spec
+
+
+def pull(client, name: str, *, stage: str | None, alias: str | None, version: str | None, dest: Path,
+         verifier: str | None = None) -> dict:
+    """Download a version into ``dest``, verify it, return ``{"version", "path", "command", "speculative_config"}``."""
+    from draftline.tracking import download
+
+    chosen = [x for x in (stage, alias, version) if x]
+    if len(chosen) != 1:
+        raise RegistryError("pass exactly one of --stage, --alias or --version")
+    uri = f"models:/{name}/{stage.capitalize()}" if stage else f"models:/{name}@{alias}" if alias else \
+        f"models:/{name}/{version}"
+    _, mv = resolve_version(client, uri)
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    local = download(f"models:/{name}/{mv.version}", dest)
+    verify_dir(local)
+    config = json.loads((local / "config.json").read_text())
+    want = config["speculators_config"]["verifier"]["name_or_path"]
+    if verifier and verifier != want:
+        raise VerificationError(f"models:/{name}/{mv.version} was trained for verifier {want}, not {verifier}")
+    steps = int(mv.tags.get("ttt_steps", 3))
+    cmd, spec = vllm_command(local, verifier or want, steps)
+    return {"version": mv.version, "path": str(local), "command": cmd, "speculative_config": spec}
