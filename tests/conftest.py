@@ -1,0 +1,117 @@
+"""Shared fixtures: the tiny verifier/parent (built once per session), its prepared data, tracking stores,
+and a real ``mlflow server`` on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo" / "conversations.jsonl"
+
+os.environ.setdefault("LOGURU_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ.pop("MLFLOW_RUN_ID", None)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    from draftline.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny"), DEMO, parent_steps=150, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny["verifier"])
+
+
+@pytest.fixture(scope="session")
+def prepared(tiny, tmp_path_factory) -> Path:
+    """Prepared data (no MLflow run) for the tiny verifier: the demo conversations, cut at 256 tokens."""
+    from draftline.config import PrepareConfig
+    from draftline.data.prepare import build_data
+
+    out = tmp_path_factory.mktemp("prepared") / "data"
+    build_data(PrepareConfig(conversations=str(DEMO), verifier=str(tiny["verifier"]), max_length=256,
+                             shard_tokens=4096), out, progress=False)
+    return out
+
+
+@pytest.fixture()
+def workspace(tmp_path, monkeypatch, tiny):
+    """A clean working directory with the embedded default tracking store (sqlite:///$PWD/mlflow.db)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("DRAFTLINE_WORK", str(tmp_path / "work"))
+    monkeypatch.setenv("DRAFTLINE_TINY_DIR", str(tiny["parent"].parent))
+    monkeypatch.setenv("DRAFTLINE_EXPERIMENT", "tests")
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    yield tmp_path
+    while mlflow.active_run():
+        mlflow.end_run()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """``mlflow server`` on loopback with a sqlite backend and proxied artifacts; yields its URI."""
+    import httpx
+
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    log = open(root / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(uri + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError((root / "server.log").read_text()[-3000:])
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("mlflow server did not start within 120 s")
+    yield uri
+    os.killpg(proc.pid, 15)
+    proc.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture()
+def server_workspace(workspace, mlflow_server, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_server)
+    return workspace
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
