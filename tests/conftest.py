@@ -53,12 +53,14 @@ def workspace(tmp_path, monkeypatch, tiny):
     """A clean working directory with the embedded default tracking store (sqlite:///$PWD/mlflow.db)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)  # mlflow.set_experiment exports it
     monkeypatch.setenv("DRAFTLINE_WORK", str(tmp_path / "work"))
     monkeypatch.setenv("DRAFTLINE_TINY_DIR", str(tiny["parent"].parent))
     monkeypatch.setenv("DRAFTLINE_EXPERIMENT", "tests")
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.tracking.fluent._active_experiment_id = None
     yield tmp_path
     while mlflow.active_run():
         mlflow.end_run()

@@ -33,11 +33,15 @@ def setup(experiment: str | None = None) -> str:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     check_reachable(uri)
-    if not os.environ.get("MLFLOW_RUN_ID") and not os.environ.get("MLFLOW_EXPERIMENT_ID"):
-        try:
+    if os.environ.get("MLFLOW_RUN_ID"):  # under `mlflow run`: the run (and its experiment) already exist
+        return uri
+    try:
+        if os.environ.get("MLFLOW_EXPERIMENT_ID"):  # set by a parent process (e.g. `draftline main`)
+            mlflow.set_experiment(experiment_id=os.environ["MLFLOW_EXPERIMENT_ID"])
+        else:
             mlflow.set_experiment(experiment or os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT))
-        except Exception as e:  # noqa: BLE001
-            raise TrackingError(f"cannot use experiment on {uri}: {e}") from None
+    except Exception as e:  # noqa: BLE001
+        raise TrackingError(f"cannot use the experiment on {uri}: {e}") from None
     return uri
 
 

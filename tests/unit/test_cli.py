@@ -1,0 +1,103 @@
+"""The command line as a user meets it: help, and one clear sentence with a non-zero exit for each mistake."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from draftline.cli import cli
+
+
+@pytest.fixture()
+def run():
+    runner = CliRunner()
+
+    def invoke(*args):
+        return runner.invoke(cli, list(args), catch_exceptions=False)
+    return invoke
+
+
+def test_help_lists_every_command_and_stage_settings(run):
+    out = run("--help").output
+    for cmd in ("prepare", "finetune", "export", "main", "promote", "pull", "inspect", "make-tiny"):
+        assert cmd in out
+    ft = run("finetune", "--help").output
+    assert "--zero-stage" in ft and "DeepSpeed ZeRO stage" in ft and "[parent|rebuild]" in ft
+
+
+def test_unknown_init_lists_the_catalog(run, workspace, prepared):
+    r = run("finetune", "--data", str(prepared), "--init", "no-such-parent")
+    assert r.exit_code == 1
+    assert "init 'no-such-parent' is not 'random', a catalog name (aq-medai, tiny)" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_absent_aq_medai_says_what_to_download_and_where(run, workspace, prepared, monkeypatch):
+    monkeypatch.delenv("DRAFTLINE_PARENTS_DIR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = run("finetune", "--data", str(prepared), "--init", "aq-medai")
+    assert r.exit_code == 1
+    assert "huggingface-cli download AQ-MedAI/Kimi-K2-Instruct-eagle3" in r.output
+    assert "DRAFTLINE_PARENTS_DIR" in r.output
+
+
+def test_config_file_typo_is_a_usage_error(run, tmp_path):
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text("data: /x\nzero_stag: 3\n")
+    r = run("finetune", "--config", str(cfg))
+    assert r.exit_code == 2
+    assert "zero_stag: Extra inputs are not permitted" in r.output
+
+
+def test_out_of_range_flag_names_the_field(run):
+    r = run("finetune", "--data", "/x", "--zero-stage", "5")
+    assert r.exit_code == 2 and "zero_stage: Input should be less than or equal to 3" in r.output
+
+
+def test_bad_aux_layers(run):
+    r = run("prepare", "--conversations", "x", "--verifier", "y", "--aux-layers", "2,thirty")
+    assert r.exit_code == 2 and "comma-separated integers" in r.output
+
+
+def test_inspect_describes_the_tiny_parent(run, tiny):
+    r = run("inspect", str(tiny["parent"]))
+    assert r.exit_code == 0
+    info = json.loads(r.output)
+    assert info["layout"] == "midlayer" and info["hidden_size"] == 128 and info["draft_vocab_size"] == 256
+    assert info["aux_layer_ids"] == [2, 4, 5] and len(info["sha256"]) == 64
+
+
+def test_inspect_mis_shaped_parent_names_the_key(run, tiny, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny["parent"], bad)
+    state = load_file(str(bad / "model.safetensors"))
+    state["midlayer.hidden_norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    save_file(state, str(bad / "model.safetensors"))
+    r = run("inspect", str(bad))
+    assert r.exit_code == 1
+    assert "midlayer.hidden_norm.weight is [64] but fc.weight says hidden size 128" in r.output
+
+
+def test_unreachable_tracking_server(run, workspace, prepared, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    r = run("finetune", "--data", str(prepared), "--init", "random")
+    assert r.exit_code == 1
+    assert "tracking server at http://127.0.0.1:9 is unreachable" in r.output
+
+
+def test_shipped_configs_validate():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from draftline.config import FinetuneConfig
+    from draftline.parents import load_catalog
+    from draftline.train.finetune import ds_config
+
+    assert {"aq-medai", "tiny"} <= set(load_catalog())
+    for stage in (1, 2, 3):
+        conf = ds_config(FinetuneConfig(data="x", zero_stage=stage, steps=20))
+        assert DeepSpeedZeroConfig(**conf["zero_optimization"]).stage == stage  # DeepSpeed's own schema
+        assert conf["gradient_clipping"] == 0.5 and conf["bf16"] == {"enabled": True}
+        assert conf["optimizer"]["params"]["betas"] == [0.9, 0.95]
