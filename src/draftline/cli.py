@@ -7,6 +7,7 @@ line and exit 1 (2 for usage errors); anything else is a bug and keeps its trace
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -65,6 +66,15 @@ def settings_options(model):
     return decorate
 
 
+def _result(fn, *args, **kwargs):
+    """Run a library call with stdout sent to stderr (MLflow and DeepSpeed print there); print its result
+    as JSON on stdout, so `draftline ... | jq` always works."""
+    with contextlib.redirect_stdout(sys.stderr):
+        out = fn(*args, **kwargs)
+    click.echo(json.dumps(out, indent=2, default=str))
+    return out
+
+
 def _settings(model, config_file, flags):
     from draftline.config import resolve
 
@@ -109,8 +119,7 @@ def make_tiny_cmd(out_dir, conversations, parent_steps, seed):
     from draftline.tiny import make_tiny
 
     src = Path(conversations) if conversations else repo_root() / "configs" / "demo" / "conversations.jsonl"
-    paths = make_tiny(Path(out_dir), src, parent_steps=parent_steps, seed=seed)
-    click.echo(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
+    _result(make_tiny, Path(out_dir), src, parent_steps=parent_steps, seed=seed)
 
 
 from draftline.config import ExportConfig, FinetuneConfig, PrepareConfig  # noqa: E402  (pydantic only: cheap)
@@ -122,7 +131,7 @@ def prepare(config_file, **flags):
     """Conversations -> verifier hidden states (one MLflow run; prints the data URI)."""
     from draftline.data.prepare import run
 
-    click.echo(json.dumps(run(_settings(PrepareConfig, config_file, flags)), indent=2))
+    _result(run, _settings(PrepareConfig, config_file, flags))
 
 
 @cli.command()
@@ -133,7 +142,7 @@ def finetune(config_file, resume_run, **flags):
     """Finetune a drafter from a parent with DeepSpeed ZeRO (one MLflow run)."""
     from draftline.train.finetune import run
 
-    click.echo(json.dumps(run(_settings(FinetuneConfig, config_file, flags), resume_run=resume_run), indent=2))
+    _result(run, _settings(FinetuneConfig, config_file, flags), resume_run=resume_run)
 
 
 @cli.command()
@@ -142,7 +151,7 @@ def export(config_file, **flags):
     """Consolidate, validate and register a finetune run's drafter as a new model version."""
     from draftline.export import run
 
-    click.echo(json.dumps(run(_settings(ExportConfig, config_file, flags)), indent=2))
+    _result(run, _settings(ExportConfig, config_file, flags))
 
 
 @cli.command("main")
@@ -165,9 +174,8 @@ def main_cmd(conversations, verifier, init, registered_model, overrides, no_cach
             raise click.BadParameter(f"expected STEP.KEY=VALUE with STEP in prepare|finetune|export, got {item!r}",
                                      param_hint="--set")
         extra.setdefault(step, {})[name] = value
-    out = run_main(conversations=conversations, verifier=verifier, init=init,
-                   registered_model=registered_model, extra=extra, use_cache=not no_cache)
-    click.echo(json.dumps(out, indent=2))
+    _result(run_main, conversations=conversations, verifier=verifier, init=init,
+            registered_model=registered_model, extra=extra, use_cache=not no_cache)
 
 
 @cli.command()
@@ -180,8 +188,9 @@ def promote(name, version, stage):
 
     from draftline import registry, tracking
 
-    tracking.setup()
-    mv = registry.promote(MlflowClient(), name, version, stage)
+    with contextlib.redirect_stdout(sys.stderr):
+        tracking.setup()
+        mv = registry.promote(MlflowClient(), name, version, stage)
     click.echo(f"models:/{name}/{mv.version} is now {mv.current_stage} (alias @{stage.lower()})")
 
 
@@ -199,9 +208,10 @@ def pull(name, stage, alias, version, dest, verifier, as_json):
 
     from draftline import registry, tracking
 
-    tracking.setup()
-    out = registry.pull(MlflowClient(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
-                        verifier=verifier)
+    with contextlib.redirect_stdout(sys.stderr):
+        tracking.setup()
+        out = registry.pull(MlflowClient(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
+                            verifier=verifier)
     if as_json:
         click.echo(json.dumps(out, indent=2))
     else:
@@ -215,7 +225,7 @@ def inspect(target, allow_pickle):
     """Describe a drafter checkpoint (directory, runs:/ or models:/ URI) without loading it."""
     from draftline.inspect import describe
 
-    click.echo(json.dumps(describe(target, allow_pickle=allow_pickle), indent=2))
+    _result(describe, target, allow_pickle=allow_pickle)
 
 
 def main() -> None:

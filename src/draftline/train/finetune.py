@@ -55,7 +55,7 @@ def ds_config(cfg: FinetuneConfig) -> dict:
     conf["gradient_clipping"] = cfg.grad_clip
     opt = conf.setdefault("optimizer", {"type": "AdamW", "params": {}})
     opt["params"].update({"lr": cfg.lr, "weight_decay": cfg.weight_decay})
-    warmup = min(cfg.warmup_steps, max(cfg.steps - 1, 0))
+    warmup = max(1, min(cfg.warmup_steps, cfg.steps))  # DeepSpeed's WarmupDecayLR needs >= 1 warm-up step
     conf["scheduler"] = {"type": "WarmupDecayLR", "params": {
         "warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr, "warmup_num_steps": warmup,
         "total_num_steps": max(cfg.steps, warmup + 1), "warmup_type": "linear"}}

@@ -66,8 +66,11 @@ def launch(spec: dict, spec_path: Path, *, ranks: int, on_cpu: bool, hostfile: s
         env["DS_ACCELERATOR"] = "cpu"
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    # rank output goes to stderr: stdout carries only the command's result
-    proc = subprocess.run(command(spec_path, ranks, hostfile, free_port()), env=env, stdout=sys.stderr)
+    # rank output is streamed to stderr: stdout carries only the command's result
+    with subprocess.Popen(command(spec_path, ranks, hostfile, free_port()), env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, errors="replace") as proc:
+        for line in proc.stdout:
+            sys.stderr.write(line)
     if proc.returncode == 0:
         return
     if error_file.is_file():

@@ -1,0 +1,82 @@
+"""The whole chain on the tiny verifier against a real `mlflow server` on loopback: prepare -> finetune
+(DeepSpeed ZeRO-2, 2 CPU ranks, from the tiny AQ-MedAI-layout parent) -> export -> promote -> pull."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from mlflow import MlflowClient
+
+from draftline.checkpoints import find_checkpoint, sha256_files
+from draftline.cli import cli
+
+from ..conftest import DEMO
+
+pytestmark = pytest.mark.integration
+
+
+def invoke(*args):
+    r = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout) if r.stdout.lstrip().startswith("{") else r.stdout
+
+
+def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
+    client = MlflowClient()
+    prep = invoke("prepare", "--conversations", str(DEMO), "--verifier", str(tiny["verifier"]),
+                  "--max-length", "256", "--max-samples", "160")
+    ft = invoke("finetune", "--data", prep["data_uri"], "--init", "tiny", "--gpus", "2", "--zero-stage", "2",
+                "--steps", "6", "--tokens-per-batch", "512", "--save-every", "3", "--lr", "5e-4",
+                "--warmup-steps", "0")
+    run = client.get_run(ft["run_id"])
+    p = run.data.params
+    assert p["init"] == "tiny" and p["parent.source"] == "draftline/tiny-parent"
+    assert p["parent.layout"] == "midlayer" and p["parent.key_remap"] == "midlayer.->layers.0."
+    assert p["parent.sha256"] == sha256_files(find_checkpoint(tiny["parent"]).weights)
+    assert p["zero.stage"] == "2" and p["world_size"] == "2" and p["vocab.policy"] == "parent"
+    assert p["data.digest"] == prep["digest"] and run.data.tags["draftline.data.run_id"] == prep["run_id"]
+    loss = client.get_metric_history(ft["run_id"], "train/loss")
+    assert [m.step for m in loss] == [1, 2, 3, 4, 5, 6]
+    for key in ("train/full_acc_0", "train/cond_acc_2", "train/acceptance_length", "train/tokens_per_s"):
+        assert key in run.data.metrics
+    inputs = run.inputs.dataset_inputs if run.inputs else []
+    prep_run = client.get_run(prep["run_id"])
+    assert prep_run.inputs.dataset_inputs[0].dataset.digest == prep["digest"][:36]
+    assert not inputs or inputs[0].dataset.digest == prep["digest"][:36]
+    artifacts = {a.path for a in client.list_artifacts(ft["run_id"])}
+    assert {"checkpoints", "training_metadata.json", "parent_load_report.json"} <= artifacts
+
+    ex = invoke("export", "--run", ft["run_id"], "--registered-model", "tiny-drafter", "--layout", "midlayer")
+    assert ex["model_uri"] == "models:/tiny-drafter/1"
+    mv = client.get_model_version("tiny-drafter", "1")
+    assert mv.tags["parent.source"] == "draftline/tiny-parent" and mv.tags["export.validated"] == "true"
+    assert mv.tags["finetune.run_id"] == ft["run_id"] and mv.tags["data.digest"] == prep["digest"]
+    assert "draftline/tiny-parent" in mv.description
+
+    invoke("promote", "tiny-drafter", "1", "--to", "Production")
+    assert client.get_model_version_by_alias("tiny-drafter", "production").version == "1"
+    pulled = invoke("pull", "tiny-drafter", "--stage", "Production", "--dest", str(tmp_path / "pulled"), "--json")
+    assert pulled["version"] == "1" and "--speculative-config" in pulled["command"]
+    assert pulled["speculative_config"]["method"] == "eagle3"
+
+    # what deployments get loads with speculators itself, with the aux layers and verifier vLLM needs
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    cfg = Eagle3SpeculatorConfig.from_pretrained(pulled["path"])
+    cfg.transformer_layer_config._attn_implementation = "sdpa"
+    model = Eagle3DraftModel.from_pretrained(pulled["path"], config=cfg)
+    assert model.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
+    assert model.config.speculators_config.verifier.name_or_path == str(tiny["verifier"].resolve())
+    card = (tmp_path / "pulled" / "README.md").read_text()
+    assert "base_model: draftline/tiny-parent" in card
+
+    # a tampered file is refused
+    weights = tmp_path / "pulled" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    from draftline.errors import VerificationError
+    from draftline.registry import verify_dir
+
+    with pytest.raises(VerificationError, match="model.safetensors does not match its sha256"):
+        verify_dir(tmp_path / "pulled")
