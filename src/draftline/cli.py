@@ -182,16 +182,25 @@ def main_cmd(conversations, verifier, init, registered_model, overrides, no_cach
 @click.argument("name")
 @click.argument("version")
 @click.option("--to", "stage", type=click.Choice(["Staging", "Production"], case_sensitive=False), required=True)
-def promote(name, version, stage):
-    """Move VERSION of registered model NAME to a stage and point the alias (@staging/@production) at it."""
+@click.option("--policy", "policy_file", type=click.Path(dir_okay=False), default=None,
+              help="Policy YAML [default: registry_policies/<stage>.yaml].")
+@click.option("--dry-run", is_flag=True, help="Evaluate the policy and change nothing.")
+def promote(name, version, stage, policy_file, dry_run):
+    """Promote VERSION of registered model NAME to a stage through its policy (registry_policies/), archiving
+    the previous holder and pointing the alias (@staging/@production) at it."""
     from mlflow import MlflowClient
 
     from draftline import registry, tracking
 
     with contextlib.redirect_stdout(sys.stderr):
         tracking.setup()
-        mv = registry.promote(MlflowClient(), name, version, stage)
-    click.echo(f"models:/{name}/{mv.version} is now {mv.current_stage} (alias @{stage.lower()})")
+        results, mv = registry.promote(MlflowClient(), name, version, stage, policy_file=policy_file,
+                                       dry_run=dry_run)
+    click.echo(registry.format_results(results))
+    if dry_run:
+        click.echo(f"dry run: models:/{name}/{mv.version} would move to {stage.capitalize()}; nothing changed")
+    else:
+        click.echo(f"models:/{name}/{mv.version} is now {mv.current_stage} (alias @{stage.lower()})")
 
 
 @cli.command()

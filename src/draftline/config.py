@@ -54,6 +54,9 @@ class FinetuneConfig(_Strict):
     precision: Literal["bf16", "fp32"] = Field("bf16", description="Training precision.")
     save_every: int = Field(50, ge=1, description="Save a DeepSpeed checkpoint every N steps (and at the end).")
     log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of samples held out for validation "
+                                                                  "(0 disables it).")
+    val_every: int = Field(50, ge=1, description="Validate every N steps (and at the end) under val/.")
     seed: int = Field(0, description="Seed for weights and batch order.")
     ds_config: str | None = Field(None, description="DeepSpeed JSON config (default configs/zero<stage>.json).")
     allow_pickle: bool = Field(False, description="Allow a pickle-only parent (loaded with weights_only=True).")

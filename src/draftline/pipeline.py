@@ -57,8 +57,8 @@ def run_main(*, conversations: str, verifier: str, init: str, registered_model: 
     extra = extra or {}
     tracking.setup()
     client = MlflowClient()
-    commit = lineage.git_commit()
-    commit = None if commit.endswith("-dirty") or commit == "unknown" else commit
+    commit = lineage.git_commit().removesuffix("-dirty")  # what MLflow records as mlflow.source.git.commit
+    commit = None if commit == "unknown" else commit
     with tracking.stage_run("main", run_name="main") as parent:
         exp = parent.info.experiment_id
         prep = _step(client, exp, "prepare", {"conversations": conversations, "verifier": verifier,

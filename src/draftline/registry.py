@@ -83,28 +83,58 @@ def register(client, name: str, *, source: str, run_id: str, tags: dict[str, str
     return version
 
 
-def promote(client, name: str, version: str, stage: str, *, policy: str = "none"):
-    """Move ``version`` to ``stage`` (archiving the current holder) and point the alias at it."""
+def _holder(client, name: str, stage: str):
+    latest = client.get_latest_versions(name, stages=[stage])
+    return latest[0] if latest else None
+
+
+def _parent_version(client, mv):
+    source = mv.tags.get("parent.source", "")
+    if not source.startswith("models:/"):
+        return None
+    try:
+        return resolve_version(client, source)[1]
+    except RegistryError:
+        return None
+
+
+def promote(client, name: str, version: str, stage: str, *, policy_file: str | Path | None = None,
+            dry_run: bool = False):
+    """Evaluate the stage's policy; on pass move ``version`` to ``stage`` (archiving the current holder) and
+    point the lower-case alias at it. Returns ``(results, model_version)``; raises if a rule fails."""
+    from draftline.policies import evaluate, load_policy, policy_path
+
     stage = stage.capitalize()
     if stage not in ("Staging", "Production"):
         raise RegistryError(f"stage {stage} is not Staging or Production")
+    policy_file = Path(policy_file) if policy_file else policy_path(stage)
+    policy = load_policy(policy_file)
     try:
         mv = client.get_model_version(name, version)
     except Exception as e:  # noqa: BLE001
         raise RegistryError(f"models:/{name}/{version} does not exist: {_mlflow_error(e)}") from None
-    if mv.tags.get("export.validated") != "true":
-        raise RegistryError(f"models:/{name}/{version} was not validated at export (export.validated != true); "
-                            "it cannot be promoted")
+    results = evaluate(policy, mv, current=_holder(client, name, "Production"), parent=_parent_version(client, mv))
+    failed = [r for r in results if not r.passed]
+    if failed:
+        raise RegistryError(f"models:/{name}/{version} does not meet {policy_file.name}; nothing changed:\n"
+                            + format_results(results))
+    if dry_run:
+        return results, mv
     try:
         client.transition_model_version_stage(name, version, stage, archive_existing_versions=True)
         client.set_registered_model_alias(name, stage.lower(), version)
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         for k, v in {f"promoted.{stage.lower()}.by": getpass.getuser(), f"promoted.{stage.lower()}.at": now,
-                     f"promoted.{stage.lower()}.policy": policy}.items():
+                     f"promoted.{stage.lower()}.policy": policy_file.name}.items():
             client.set_model_version_tag(name, version, k, v)
     except Exception as e:  # noqa: BLE001
         raise RegistryError(f"cannot promote models:/{name}/{version} to {stage}: {_mlflow_error(e)}") from None
-    return client.get_model_version(name, version)
+    return results, client.get_model_version(name, version)
+
+
+def format_results(results) -> str:
+    width = max(len(r.rule) for r in results)
+    return "\n".join(f"  {'PASS' if r.passed else 'FAIL'}  {r.rule.ljust(width)}  {r.detail}" for r in results)
 
 
 def verify_dir(directory: Path) -> dict[str, str]:

@@ -61,7 +61,7 @@ def check_reachable(uri: str) -> None:
 
 @contextlib.contextmanager
 def stage_run(step: str, run_name: str | None = None, tags: dict[str, str] | None = None,
-              run_id: str | None = None):
+              run_id: str | None = None, system_metrics: bool = False):
     """The MLflow run of one stage: the one ``mlflow run`` opened (``MLFLOW_RUN_ID``), or a new one.
 
     A stage that raises leaves its run FAILED, never RUNNING.
@@ -71,7 +71,7 @@ def stage_run(step: str, run_name: str | None = None, tags: dict[str, str] | Non
     resuming = run_id or os.environ.get("MLFLOW_RUN_ID")
     try:
         run = mlflow.start_run(run_id=run_id, run_name=None if resuming else run_name,
-                               nested=mlflow.active_run() is not None)
+                               nested=mlflow.active_run() is not None, log_system_metrics=system_metrics or None)
     except Exception as e:  # noqa: BLE001
         raise TrackingError(f"cannot start the {step} run on {tracking_uri()}: {e}") from None
     mlflow.set_tags({"draftline.step": step, **(tags or {})})

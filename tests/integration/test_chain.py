@@ -44,7 +44,9 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert prep_run.inputs.dataset_inputs[0].dataset.digest == prep["digest"][:36]
     assert not inputs or inputs[0].dataset.digest == prep["digest"][:36]
     artifacts = {a.path for a in client.list_artifacts(ft["run_id"])}
-    assert {"checkpoints", "training_metadata.json", "parent_load_report.json"} <= artifacts
+    assert {"checkpoints", "training_metadata.json", "parent_load_report.json",
+            "per_position_accuracy.png"} <= artifacts
+    assert "val/acceptance_length" in run.data.metrics and "system/cpu_utilization_percentage" in run.data.metrics
 
     ex = invoke("export", "--run", ft["run_id"], "--registered-model", "tiny-drafter", "--layout", "midlayer")
     assert ex["model_uri"] == "models:/tiny-drafter/1"
@@ -69,6 +71,13 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert model.config.speculators_config.verifier.name_or_path == str(tiny["verifier"].resolve())
     card = (tmp_path / "pulled" / "README.md").read_text()
     assert "base_model: draftline/tiny-parent" in card
+
+    # warm start: from the tiny parent the first step is far ahead of a random init on the same data
+    rnd = invoke("finetune", "--data", prep["data_uri"], "--init", "random", "--gpus", "1", "--steps", "1",
+                 "--tokens-per-batch", "512", "--draft-vocab-size", "256", "--val-fraction", "0")
+    first = {r: client.get_metric_history(r, "train/full_acc_0")[0] for r in (ft["run_id"], rnd["run_id"])}
+    assert first[ft["run_id"]].step == first[rnd["run_id"]].step == 1
+    assert first[ft["run_id"]].value > first[rnd["run_id"]].value + 0.2, first
 
     # a tampered file is refused
     weights = tmp_path / "pulled" / "model.safetensors"

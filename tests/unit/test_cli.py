@@ -101,3 +101,15 @@ def test_shipped_configs_validate():
         assert DeepSpeedZeroConfig(**conf["zero_optimization"]).stage == stage  # DeepSpeed's own schema
         assert conf["gradient_clipping"] == 0.5 and conf["bf16"] == {"enabled": True}
         assert conf["optimizer"]["params"]["betas"] == [0.9, 0.95]
+
+
+def test_shipped_policies_validate_and_a_typo_is_refused(tmp_path):
+    from draftline.errors import ConfigError
+    from draftline.policies import load_policy, policy_path
+
+    assert load_policy(policy_path("Staging")).stage == "Staging"
+    assert load_policy(policy_path("Production")).not_worse_than_current.margin == 0.02
+    bad = tmp_path / "p.yaml"
+    bad.write_text("stage: Production\nmin_metric:\n  val/acceptance_length: 2\n")
+    with pytest.raises(ConfigError, match="min_metric: Extra inputs are not permitted"):
+        load_policy(bad)

@@ -100,6 +100,32 @@ def choose_vocab(cfg: FinetuneConfig, files, data, verifier_vocab: int) -> tuple
     return {"d2t": new_d2t, "t2d": new_t2d}, counts
 
 
+def log_accuracy_chart(run_id: str, ttt_steps: int) -> None:
+    """Per-position full/conditional accuracy at the end of training (val/ when there is validation)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import mlflow
+    from mlflow import MlflowClient
+
+    metrics = MlflowClient().get_run(run_id).data.metrics
+    split = "val" if "val/full_acc_0" in metrics else "train"
+    ks = list(range(ttt_steps))
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    width = 0.38
+    ax.bar([k - width / 2 for k in ks], [metrics.get(f"{split}/full_acc_{k}", 0.0) for k in ks], width,
+           label="full_acc_k")
+    ax.bar([k + width / 2 for k in ks], [metrics.get(f"{split}/cond_acc_{k}", 0.0) for k in ks], width,
+           label="cond_acc_k")
+    ax.set(xlabel="draft position k", ylabel="accuracy", ylim=(0, 1), xticks=ks,
+           title=f"{split}: acceptance length {metrics.get(f'{split}/acceptance_length', float('nan')):.2f}")
+    ax.legend()
+    fig.tight_layout()
+    mlflow.log_figure(fig, "per_position_accuracy.png")
+    plt.close(fig)
+
+
 def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]:
     """The finetune stage as one MLflow run; ``resume_run`` continues a run from its last checkpoint."""
     import mlflow
@@ -113,7 +139,8 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
 
     tracking.setup()
     ranks, on_cpu = resolve_ranks(cfg.gpus)
-    with tracking.stage_run("finetune", run_name=f"finetune-{cfg.init}", run_id=resume_run) as active:
+    with tracking.stage_run("finetune", run_name=f"finetune-{cfg.init}", run_id=resume_run,
+                            system_metrics=True) as active:
         run_id = active.info.run_id
         work = work_dir() / run_id
         work.mkdir(parents=True, exist_ok=True)
@@ -154,6 +181,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             "optimizer.grad_clip": cfg.grad_clip,
             "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
             "train.precision": cfg.precision, "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl,
+            "train.val_fraction": cfg.val_fraction,
         }
         tracking.log_params_once(params, run_id)
         mlflow.set_tags({**lineage.parent_tags(parent, data_run_id), **lineage.environment_tags()})
@@ -167,6 +195,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             "allow_pickle": cfg.allow_pickle, "steps": cfg.steps, "ttt_steps": cfg.ttt_steps,
             "tokens_per_batch": cfg.tokens_per_batch, "precision": cfg.precision, "seed": cfg.seed,
             "save_every": cfg.save_every, "log_every": cfg.log_every, "attn_impl": cfg.attn_impl,
+            "val_fraction": cfg.val_fraction, "val_every": cfg.val_every,
             "ds_config": ds_config(cfg), "checkpoint_dir": str(ckpt_dir),
             "load_report": str(work / "parent_load_report.json"), "error_file": str(work / "rank_error.json"),
         }
@@ -181,4 +210,5 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
         if (work / "parent_load_report.json").is_file():
             mlflow.log_artifact(str(work / "parent_load_report.json"))
         mlflow.log_artifacts(str(ckpt_dir), artifact_path="checkpoints")
+        log_accuracy_chart(run_id, cfg.ttt_steps)
     return {"run_id": run_id, "checkpoint_uri": f"runs:/{run_id}/checkpoints"}

@@ -37,6 +37,36 @@ def _all_reduce_sums(sums: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def split_validation(records: list, fraction: float) -> tuple[list, list]:
+    """Every k-th sample (k = round(1/fraction)) is held out; deterministic, independent of the seed."""
+    if fraction <= 0 or len(records) < 2:
+        return records, []
+    k = max(2, round(1 / fraction))
+    return ([r for i, r in enumerate(records) if i % k], [r for i, r in enumerate(records) if not i % k])
+
+
+@torch.no_grad()
+def validate(engine, val_records, spec, device, dtype, cfg, rank: int, world: int) -> dict[str, float]:
+    """Metrics over the held-out samples, chunks split across ranks. Every rank runs the same number of
+    forwards (ZeRO-3 gathers parameters collectively); surplus forwards are not counted."""
+    from draftline.train.batches import batch_plan
+    from draftline.train.model import accumulate, forward, pack, summarise
+
+    engine.eval()
+    lengths = [int(r["input_ids"].numel()) for r in val_records]
+    chunks = sorted(batch_plan(lengths, spec["tokens_per_batch"], seed=0, epoch=0))
+    sums: dict[str, float] = {}
+    for i in range(-(-len(chunks) // world)):
+        idx = i * world + rank
+        batch = pack([val_records[j] for j in chunks[idx if idx < len(chunks) else 0]], device)
+        batch["hidden_states"] = batch["hidden_states"].to(dtype)
+        batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(dtype)
+        _, metrics = forward(engine, batch, spec["ttt_steps"], cfg)
+        if idx < len(chunks):
+            accumulate(sums, metrics)
+    return summarise(_all_reduce_sums(sums), spec["ttt_steps"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--spec", required=True)
@@ -78,7 +108,7 @@ def train(spec: dict) -> None:
 
     # data: every rank memory-maps the same shards and takes its own batches
     data = open_prepared(Path(spec["data_dir"]))
-    records = data.records()
+    records, val_records = split_validation(data.records(), spec["val_fraction"])
 
     # model: built, cast, then the parent's weights copied in (never under zero.Init; see DESIGN.md)
     from safetensors.torch import load_file
@@ -146,6 +176,11 @@ def train(spec: dict) -> None:
                 out["train/tokens_per_s"] = sums["tokens"] / max(elapsed, 1e-9)
                 _log_metrics(client, spec["run_id"], out, step)
             tick, window_tokens = time.perf_counter(), 0
+        if val_records and (step % spec["val_every"] == 0 or step == steps):
+            val = validate(engine, val_records, spec, device, dtype, cfg, rank, world)
+            if client:
+                _log_metrics(client, spec["run_id"], {f"val/{k}": v for k, v in val.items()}, step)
+            engine.train()
         if step % spec["save_every"] == 0 or step == steps or stop["now"]:
             engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
             if rank == 0:  # keep the newest checkpoint only (save_checkpoint ends with a barrier)

@@ -1,0 +1,67 @@
+"""Promotion through registry_policies/ on a real (sqlite) registry: pass, fail, dry run, aliases."""
+
+import pytest
+from click.testing import CliRunner
+from mlflow import MlflowClient
+
+from draftline.cli import cli
+
+TAGS = {"init": "tiny", "parent.source": "draftline/tiny-parent", "parent.sha256": "ab" * 32,
+        "parent.layout": "midlayer", "vocab.policy": "parent", "verifier.name_or_path": "/v",
+        "verifier.aux_layers": "[2, 4, 5]", "data.digest": "cd" * 32, "finetune.run_id": "r1",
+        "export.sha256": "ef" * 32, "export.validated": "true"}
+
+
+def _version(client, name, acc, **extra):
+    try:
+        client.create_registered_model(name)
+    except Exception:  # noqa: BLE001
+        pass
+    tags = {**TAGS, "metric.val/acceptance_length": str(acc), "metric.train/acceptance_length": str(acc), **extra}
+    return client.create_model_version(name, source="/tmp/nowhere", tags={k: v for k, v in tags.items() if v})
+
+
+def promote(*args):
+    return CliRunner().invoke(cli, ["promote", *args], catch_exceptions=False)
+
+
+def test_promotion_gates(workspace):
+    client = MlflowClient()
+    _version(client, "d", 1.5)
+    r = promote("d", "1", "--to", "Production", "--dry-run")
+    assert r.exit_code == 0 and "dry run" in r.stdout and "PASS  val/acceptance_length >= 1.2" in r.stdout
+    assert client.get_model_version("d", "1").current_stage == "None"  # nothing changed
+
+    assert promote("d", "1", "--to", "Production").exit_code == 0
+    assert str(client.get_model_version_by_alias("d", "production").version) == "1"
+    assert client.get_model_version("d", "1").tags["promoted.production.policy"] == "production.yaml"
+
+    _version(client, "d", 1.45)  # worse than Production by more than the 0.02 margin
+    r = promote("d", "2", "--to", "Production")
+    assert r.exit_code == 1
+    assert "FAIL  val/acceptance_length not worse than current Production (v1) - 0.02" in r.output
+    assert "nothing changed" in r.output
+    assert str(client.get_latest_versions("d", stages=["Production"])[0].version) == "1"
+
+    _version(client, "d", 1.6, **{"data.digest": ""})
+    r = promote("d", "3", "--to", "Production")
+    assert r.exit_code == 1 and "missing: data.digest" in r.output
+
+    _version(client, "d", 1.7)
+    assert promote("d", "4", "--to", "Production").exit_code == 0
+    assert client.get_model_version("d", "1").current_stage == "Archived"  # exactly one Production
+    assert [str(v.version) for v in client.get_latest_versions("d", stages=["Production"])] == ["4"]
+
+    assert promote("d", "2", "--to", "Staging").exit_code == 0
+    assert str(client.get_model_version_by_alias("d", "staging").version) == "2"
+
+
+def test_unknown_version_and_bad_policy(workspace, tmp_path):
+    client = MlflowClient()
+    _version(client, "e", 1.5)
+    r = promote("e", "9", "--to", "Production")
+    assert r.exit_code == 1 and "models:/e/9 does not exist" in r.output
+    bad = tmp_path / "p.yaml"
+    bad.write_text("stage: Production\nexport_validated: maybe\n")
+    r = promote("e", "1", "--to", "Production", "--policy", str(bad))
+    assert r.exit_code == 2 and "export_validated" in r.output
