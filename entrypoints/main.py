@@ -5,4 +5,4 @@ import sys
 from draftline.cli import cli
 
 if __name__ == "__main__":
-    cli(["main", *sys.argv[1:]], prog_name="draftline main")
+    cli(["main", *sys.argv[1:]], prog_name="draftline")

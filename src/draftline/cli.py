@@ -66,10 +66,32 @@ def settings_options(model):
     return decorate
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Send everything printed meanwhile to stderr, from Python and from child processes (fd 1 itself):
+    MLflow, DeepSpeed and the runs `main` starts all print there."""
+    try:
+        out_fd, err_fd = sys.__stdout__.fileno(), sys.__stderr__.fileno()
+        saved = os.dup(out_fd)
+    except (AttributeError, OSError, ValueError):
+        saved = None
+    try:
+        if saved is not None:
+            sys.__stdout__.flush()
+            os.dup2(err_fd, out_fd)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            sys.__stdout__.flush()
+            os.dup2(saved, out_fd)
+            os.close(saved)
+
+
 def _result(fn, *args, **kwargs):
-    """Run a library call with stdout sent to stderr (MLflow and DeepSpeed print there); print its result
-    as JSON on stdout, so `draftline ... | jq` always works."""
-    with contextlib.redirect_stdout(sys.stderr):
+    """Run a library call with its output on stderr; print its result as JSON on stdout, so
+    `draftline ... | jq` always works."""
+    with _stdout_to_stderr():
         out = fn(*args, **kwargs)
     click.echo(json.dumps(out, indent=2, default=str))
     return out
@@ -192,7 +214,7 @@ def promote(name, version, stage, policy_file, dry_run):
 
     from draftline import registry, tracking
 
-    with contextlib.redirect_stdout(sys.stderr):
+    with _stdout_to_stderr():
         tracking.setup()
         results, mv = registry.promote(MlflowClient(), name, version, stage, policy_file=policy_file,
                                        dry_run=dry_run)
@@ -217,7 +239,7 @@ def pull(name, stage, alias, version, dest, verifier, as_json):
 
     from draftline import registry, tracking
 
-    with contextlib.redirect_stdout(sys.stderr):
+    with _stdout_to_stderr():
         tracking.setup()
         out = registry.pull(MlflowClient(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
                             verifier=verifier)
