@@ -78,7 +78,9 @@ def _hf_cached(repo_id: str, revision: str | None = None) -> Path | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+        # HF_HUB_CACHE is read now, not at import, so a caller's setting always counts
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True,
+                                      cache_dir=os.environ.get("HF_HUB_CACHE") or None))
     except Exception:  # noqa: BLE001
         return None
 

@@ -7,6 +7,7 @@ One MLflow run; the data set is logged with ``mlflow.log_input`` and a digest, a
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,7 +34,8 @@ def resolve_verifier(name_or_path: str) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(name_or_path, local_files_only=True)
+        return snapshot_download(name_or_path, local_files_only=True,
+                                 cache_dir=os.environ.get("HF_HUB_CACHE") or None)
     except Exception:  # noqa: BLE001
         raise DataError(f"verifier {name_or_path} is not in the local Hugging Face cache and nothing is "
                         f"downloaded at run time: `huggingface-cli download {name_or_path}` first, or pass "
