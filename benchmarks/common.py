@@ -1,0 +1,86 @@
+"""Drafter configs for benchmarks: the tiny one the tests use, and the real Kimi-K2 EAGLE-3 shape."""
+
+from __future__ import annotations
+
+import torch
+
+SHAPES = {
+    # hidden, intermediate, heads, kv heads, target vocab, draft vocab
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=1024, draft_vocab_size=256),
+    "real": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
+                 vocab_size=163840, draft_vocab_size=32000),
+}
+AUX = [2, 30, 58]
+
+
+def drafter_config(shape: str):
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    s = dict(SHAPES[shape])
+    draft = s.pop("draft_vocab_size")
+    layer = LlamaConfig(num_hidden_layers=1, head_dim=s["hidden_size"] // s["num_attention_heads"],
+                        rope_theta=1e6, max_position_embeddings=8192, rms_norm_eps=1e-5, **s)
+    layer._attn_implementation = "sdpa"  # noqa: SLF001
+    return Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=draft, norm_before_residual=False,
+        eagle_aux_hidden_state_layer_ids=AUX,
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=["DeepseekV3ForCausalLM"])),
+    )
+
+
+def bench_model(shape: str, device, dtype=torch.bfloat16, init: bool = True):
+    """An ``Eagle3DraftModel`` of the shape, built on the meta device and materialised directly in ``dtype``
+    (no fp32 copy), verifier-owned weights random (no verifier checkpoint is needed)."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    config = drafter_config(shape)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = Eagle3DraftModel(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if not t.is_floating_point():
+                continue
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            elif init:
+                t.normal_(0.0, 0.02)
+            else:
+                t.zero_()
+        if model.t2d is not None:
+            ids = torch.arange(model.draft_vocab_size, device=device) * (model.verifier_vocab_size //
+                                                                         model.draft_vocab_size)
+            model.t2d.zero_()
+            model.t2d[ids] = True
+            model.d2t.copy_(ids - torch.arange(model.draft_vocab_size, device=device))
+    rot = model.rotary_emb  # its inv_freq buffers were on meta: rebuild it where the model now lives
+    model.rotary_emb = type(rot)(rot.config).to(device)
+    return model
+
+
+def fake_batch(model, tokens: int, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h = model.hidden_size
+    aux = len(model.config.eagle_aux_hidden_state_layer_ids)
+    docs = 4
+    per = tokens // docs
+    return {
+        "input_ids": torch.randint(0, model.verifier_vocab_size, (1, tokens), generator=g).to(device),
+        "loss_mask": torch.ones(1, tokens, dtype=torch.bool).to(device),
+        "hidden_states": torch.randn(1, tokens, aux * h, generator=g).to(torch.bfloat16).to(device),
+        "verifier_last_hidden_states": torch.randn(1, tokens, h, generator=g).to(torch.bfloat16).to(device),
+        "position_ids": torch.arange(tokens).remainder(per).unsqueeze(0).to(device),
+        "document_ids": (torch.arange(tokens) // per).clamp(max=docs - 1).unsqueeze(0).to(device),
+    }

@@ -1,0 +1,57 @@
+"""Run one benchmark, write ``benchmarks/results/<name>.json`` and print a short table.
+
+    python -m benchmarks.run train-step [--shape tiny|real] [--tokens N] [--iters N]
+    python -m benchmarks.run parent-load [--shape real|tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _table(result: dict) -> str:
+    rows = []
+    for name, v in result.get("variants", {}).items():
+        extra = f"  peak {v['peak_gpu_mem_gib']:.1f} GiB" if "peak_gpu_mem_gib" in v else ""
+        rows.append(f"  {name:<8} {v['step_s_median'] * 1000:9.1f} ms/step  {v['tokens_per_s']:10.0f} tok/s  "
+                    f"x{v['ratio_to_bare']:.2f} bare{extra}")
+    for k, v in result.get("summary", {}).items():
+        rows.append(f"  {k:<28} {v}")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=["train-step", "parent-load"])
+    ap.add_argument("--shape", default=None, choices=["tiny", "real"])
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=8)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    if args.name == "train-step":
+        from benchmarks.train_step import run
+
+        result = run(shape=args.shape or "tiny", tokens=args.tokens, iters=args.iters)
+    else:
+        from benchmarks.parent_load import run
+
+        result = run(shape=args.shape or "real")
+    result.update({"benchmark": args.name, "wall_s": round(time.time() - t0, 1),
+                   "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+                   "date": time.strftime("%Y-%m-%d")})
+    RESULTS.mkdir(exist_ok=True)
+    suffix = f"-{result.get('shape')}" if result.get("shape") else ""
+    out = RESULTS / f"{args.name}{suffix}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{args.name} ({result.get('shape')}, {result.get('device', 'cpu')}) -> {out}\n{_table(result)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
