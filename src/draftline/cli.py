@@ -250,6 +250,26 @@ def pull(name, stage, alias, version, dest, verifier, as_json):
 
 
 @cli.command()
+@click.argument("name")
+@click.argument("version")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def lineage(name, version, as_json):
+    """The ancestry of VERSION of NAME (a number, a stage, @alias, or a models:/ URI) back to its external
+    root, with the data digest and headline metrics of every generation."""
+    from mlflow import MlflowClient
+
+    from draftline import tracking
+    from draftline.lineage_walk import render, walk
+
+    uri = version if version.startswith("models:/") else \
+        f"models:/{name}@{version[1:]}" if version.startswith("@") else f"models:/{name}/{version}"
+    with _stdout_to_stderr():
+        tracking.setup()
+        chain = walk(MlflowClient(), uri)
+    click.echo(json.dumps(chain, indent=2) if as_json else render(chain))
+
+
+@cli.command()
 @click.argument("target")
 @click.option("--allow-pickle", is_flag=True, help="Read a pickle-only checkpoint (weights_only=True).")
 def inspect(target, allow_pickle):

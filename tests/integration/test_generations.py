@@ -59,3 +59,12 @@ def test_main_then_a_second_generation_from_the_registry(workspace, tiny, monkey
     mv = client.get_model_version("gen", ex["version"])
     assert mv.tags["parent.source"] == "models:/gen/1" and mv.tags["vocab.draft_size"] == "200"
     assert mv.tags["export.validated"] == "true"
+
+    # three generations: v3 <- v1 <- the tiny parent (external root, with its sha256)
+    r = CliRunner().invoke(cli, ["lineage", "gen", ex["version"], "--json"], catch_exceptions=False)
+    chain = json.loads(r.stdout)
+    assert [g["uri"] for g in chain] == [f"models:/gen/{ex['version']}", "models:/gen/1", "draftline/tiny-parent"]
+    assert chain[-1]["kind"] == "root" and len(chain[-1]["sha256"]) == 64
+    assert chain[0]["data_digest"] == chain[1]["data_digest"]
+    text = CliRunner().invoke(cli, ["lineage", "gen", ex["version"]]).stdout
+    assert text.startswith(f"gen/{ex['version']} <- gen/1 <- draftline/tiny-parent (sha256 ")

@@ -1,0 +1,47 @@
+"""``draftline lineage``: walk a version's ancestry back to its external root through the registry."""
+
+from __future__ import annotations
+
+from draftline.errors import RegistryError
+from draftline.lineage import HEADLINE_METRICS
+
+
+def walk(client, uri: str, max_depth: int = 64) -> list[dict]:
+    """Generations from ``uri`` back to the root: registered versions, then the external parent (or random)."""
+    from draftline.registry import resolve_version
+
+    chain, seen = [], set()
+    name, mv = resolve_version(client, uri)
+    while True:
+        key = (name, str(mv.version))
+        if key in seen or len(chain) >= max_depth:
+            raise RegistryError(f"the lineage of {uri} loops at models:/{name}/{mv.version}")
+        seen.add(key)
+        tags = mv.tags
+        chain.append({
+            "kind": "version", "uri": f"models:/{name}/{mv.version}", "stage": mv.current_stage,
+            "parent": tags.get("parent.source"), "parent_sha256": tags.get("parent.sha256"),
+            "data_digest": tags.get("data.digest"), "verifier": tags.get("verifier.name_or_path"),
+            "vocab_policy": tags.get("vocab.policy"), "finetune_run_id": tags.get("finetune.run_id"),
+            "metrics": {k: float(tags[f"metric.{k}"]) for k in HEADLINE_METRICS if f"metric.{k}" in tags},
+        })
+        parent = tags.get("parent.source") or "none"
+        if not parent.startswith("models:/"):
+            chain.append({"kind": "root", "uri": parent if parent != "none" else "random init",
+                          "sha256": tags.get("parent.sha256"), "revision": tags.get("parent.revision")})
+            return chain
+        name, mv = resolve_version(client, parent)
+
+
+def render(chain: list[dict]) -> str:
+    head = " <- ".join(g["uri"].removeprefix("models:/") if g["kind"] == "version" else
+                       f"{g['uri']}" + (f" (sha256 {g['sha256'][:12]})" if g.get("sha256") not in (None, "none")
+                                        else "") for g in chain)
+    lines = [head]
+    for g in chain:
+        if g["kind"] != "version":
+            continue
+        metrics = ", ".join(f"{k}={v:.3f}" for k, v in g["metrics"].items())
+        lines.append(f"  {g['uri']} [{g['stage']}]: data {str(g['data_digest'])[:12]}, vocab {g['vocab_policy']}, "
+                     f"finetune run {g['finetune_run_id']}" + (f"; {metrics}" if metrics else ""))
+    return "\n".join(lines)
