@@ -122,7 +122,7 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
         return results, mv
     try:
         client.transition_model_version_stage(name, version, stage, archive_existing_versions=True)
-        client.set_registered_model_alias(name, stage.lower(), version)
+        _converge_alias(client, name, stage)
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         for k, v in {f"promoted.{stage.lower()}.by": getpass.getuser(), f"promoted.{stage.lower()}.at": now,
                      f"promoted.{stage.lower()}.policy": policy_file.name}.items():
@@ -130,6 +130,21 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
     except Exception as e:  # noqa: BLE001
         raise RegistryError(f"cannot promote models:/{name}/{version} to {stage}: {_mlflow_error(e)}") from None
     return results, client.get_model_version(name, version)
+
+
+def _converge_alias(client, name: str, stage: str, rounds: int = 20) -> None:
+    """Point the stage's alias at whichever version holds the stage now. The stage change itself is one
+    server-side transaction (the new holder in, the old one archived); racing promoters may finish their alias
+    updates in any order, so each re-reads the holder until alias and stage agree."""
+    for _ in range(rounds):
+        holder = _holder(client, name, stage)
+        if holder is None:
+            return
+        client.set_registered_model_alias(name, stage.lower(), holder.version)
+        again = _holder(client, name, stage)
+        if again is not None and str(again.version) == str(holder.version):
+            return
+    raise RegistryError(f"the {stage} alias of {name} kept moving; promote again when other promotions end")
 
 
 def format_results(results) -> str:

@@ -1,5 +1,6 @@
 """Promotion through registry_policies/ on a real (sqlite) registry: pass, fail, dry run, aliases."""
 
+import mlflow
 import pytest
 from click.testing import CliRunner
 from mlflow import MlflowClient
@@ -18,7 +19,10 @@ def _version(client, name, acc, **extra):
     except Exception:  # noqa: BLE001
         pass
     tags = {**TAGS, "metric.val/acceptance_length": str(acc), "metric.train/acceptance_length": str(acc), **extra}
-    return client.create_model_version(name, source="/tmp/nowhere", tags={k: v for k, v in tags.items() if v})
+    with mlflow.start_run() as run:
+        mlflow.log_text("weights", "drafter/model.txt")
+    return client.create_model_version(name, source=f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id,
+                                       tags={k: v for k, v in tags.items() if v})
 
 
 def promote(*args):
@@ -65,3 +69,31 @@ def test_unknown_version_and_bad_policy(workspace, tmp_path):
     bad.write_text("stage: Production\nexport_validated: maybe\n")
     r = promote("e", "1", "--to", "Production", "--policy", str(bad))
     assert r.exit_code == 2 and "export_validated" in r.output
+
+
+def test_pull_verification_refuses_escapes_missing_and_altered_files(tmp_path):
+    import json
+
+    from draftline.checkpoints import file_sha256
+    from draftline.errors import VerificationError
+    from draftline.registry import verify_dir
+
+    d = tmp_path / "pulled"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"weights")
+    good = {"model.safetensors": file_sha256(d / "model.safetensors")}
+    (d / "checksums.json").write_text(json.dumps(good))
+    assert verify_dir(d) == good
+    (d / "checksums.json").write_text(json.dumps({**good, "../outside": "0" * 64}))
+    with pytest.raises(VerificationError, match="escapes"):
+        verify_dir(d)
+    (d / "checksums.json").write_text(json.dumps({**good, "config.json": "0" * 64}))
+    with pytest.raises(VerificationError, match="config.json is missing"):
+        verify_dir(d)
+    (d / "model.safetensors").write_bytes(b"weightz")
+    (d / "checksums.json").write_text(json.dumps(good))
+    with pytest.raises(VerificationError, match="does not match its sha256"):
+        verify_dir(d)
+    (d / "checksums.json").unlink()
+    with pytest.raises(VerificationError, match="no checksums.json"):
+        verify_dir(d)

@@ -1,0 +1,42 @@
+"""The registry against a real `mlflow server`: eight promotions racing, and pulls by stage, alias, version."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+from mlflow import MlflowClient
+
+from ..unit.test_registry import _version
+
+pytestmark = pytest.mark.integration
+
+
+def test_eight_racing_promotions_leave_exactly_one_production(server_workspace):
+    client = MlflowClient()
+    for _ in range(8):
+        _version(client, "race", 1.5)
+    seen, stop = [], threading.Event()
+
+    def observe():
+        while not stop.is_set():
+            seen.append(len(client.get_latest_versions("race", stages=["Production"])))
+
+    watcher = threading.Thread(target=observe)
+    watcher.start()
+    env = dict(os.environ)
+    procs = [subprocess.Popen([sys.executable, "-m", "draftline.cli", "promote", "race", str(k), "--to",
+                               "Production"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for k in range(1, 9)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    stop.set()
+    watcher.join()
+    assert all(p.returncode == 0 for p in procs), errors
+    production = client.get_latest_versions("race", stages=["Production"])
+    assert len(production) == 1
+    assert str(client.get_model_version_by_alias("race", "production").version) == str(production[0].version)
+    after_first = seen[seen.index(1):] if 1 in seen else []
+    assert after_first and set(after_first) == {1}, sorted(set(seen))
+    stages = [client.get_model_version("race", str(k)).current_stage for k in range(1, 9)]
+    assert stages.count("Production") == 1 and stages.count("Archived") == 7
