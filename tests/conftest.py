@@ -72,37 +72,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """``mlflow server`` on loopback with a sqlite backend and proxied artifacts; yields its URI."""
+def _start_server(root: Path, extra: list[str] = (), env: dict | None = None):
+    """``mlflow server`` on loopback with a sqlite backend and proxied artifacts; returns (process, URI)."""
     import httpx
 
-    root = tmp_path_factory.mktemp("mlflow-server")
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"
     log = open(root / "server.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
          "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+         "--workers", "1", *extra],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
             if httpx.get(uri + "/health", timeout=2).status_code == 200:
-                break
+                return proc, uri
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
             raise RuntimeError((root / "server.log").read_text()[-3000:])
         time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("mlflow server did not start within 120 s")
-    yield uri
+    os.killpg(proc.pid, 9)
+    raise RuntimeError("mlflow server did not start within 120 s")
+
+
+def _stop(proc):
     os.killpg(proc.pid, 15)
     proc.wait(timeout=30)
-    log.close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    proc, uri = _start_server(tmp_path_factory.mktemp("mlflow-server"))
+    yield uri
+    _stop(proc)
+
+
+ADMIN = ("admin", "admin-password-for-tests-1")
+
+
+@pytest.fixture(scope="session")
+def auth_server(tmp_path_factory):
+    """``mlflow server --app-name basic-auth``: users and permissions; default permission READ."""
+    root = tmp_path_factory.mktemp("mlflow-auth")
+    ini = root / "auth.ini"
+    ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root / 'auth.db'}\n"
+                   f"admin_username = {ADMIN[0]}\nadmin_password = {ADMIN[1]}\n"
+                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    proc, uri = _start_server(root, ["--app-name", "basic-auth"],
+                              env={"MLFLOW_AUTH_CONFIG_PATH": str(ini),
+                                   "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-secret-key"})
+    yield uri
+    _stop(proc)
 
 
 @pytest.fixture()

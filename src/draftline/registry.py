@@ -25,6 +25,10 @@ def _mlflow_error(e: Exception) -> str:
     return getattr(e, "message", None) or str(e).splitlines()[0]
 
 
+def _denied(e: Exception) -> bool:
+    return getattr(e, "error_code", "") in ("PERMISSION_DENIED", "UNAUTHENTICATED") or "403" in str(e)[:200]
+
+
 def resolve_version(client, uri: str):
     """``models:/NAME/VERSION``, ``models:/NAME/STAGE`` or ``models:/NAME@alias`` -> ``(name, ModelVersion)``."""
     m = _URI.match(uri)
@@ -128,6 +132,12 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
                      f"promoted.{stage.lower()}.policy": policy_file.name}.items():
             client.set_model_version_tag(name, version, k, v)
     except Exception as e:  # noqa: BLE001
+        if _denied(e):
+            import os
+
+            user = os.environ.get("MLFLOW_TRACKING_USERNAME", "this user")
+            raise RegistryError(f"permission denied: {user} may read {name} but not change its stages; ask an "
+                                f"MLflow admin for MANAGE permission on registered model {name}") from None
         raise RegistryError(f"cannot promote models:/{name}/{version} to {stage}: {_mlflow_error(e)}") from None
     return results, client.get_model_version(name, version)
 
