@@ -137,7 +137,7 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
 
             user = os.environ.get("MLFLOW_TRACKING_USERNAME", "this user")
             raise RegistryError(f"permission denied: {user} may read {name} but not change its stages; ask an "
-                                f"MLflow admin for MANAGE permission on registered model {name}") from None
+                                f"MLflow admin for EDIT permission on registered model {name}") from None
         raise RegistryError(f"cannot promote models:/{name}/{version} to {stage}: {_mlflow_error(e)}") from None
     return results, client.get_model_version(name, version)
 
