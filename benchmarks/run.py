@@ -2,6 +2,7 @@
 
     python -m benchmarks.run train-step [--shape tiny|real] [--tokens N] [--iters N]
     python -m benchmarks.run parent-load [--shape real|tiny]
+    python -m benchmarks.run warm-start
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _table(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("name", choices=["train-step", "parent-load"])
+    ap.add_argument("name", choices=["train-step", "parent-load", "warm-start"])
     ap.add_argument("--shape", default=None, choices=["tiny", "real"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
@@ -38,6 +39,10 @@ def main(argv=None) -> int:
         from benchmarks.train_step import run
 
         result = run(shape=args.shape or "tiny", tokens=args.tokens, iters=args.iters)
+    elif args.name == "warm-start":
+        from benchmarks.warm_start import run
+
+        result = run()
     else:
         from benchmarks.parent_load import run
 

@@ -60,6 +60,12 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     pulled = invoke("pull", "tiny-drafter", "--stage", "Production", "--dest", str(tmp_path / "pulled"), "--json")
     assert pulled["version"] == "1" and "--speculative-config" in pulled["command"]
     assert pulled["speculative_config"]["method"] == "eagle3"
+    by_alias = invoke("pull", "tiny-drafter", "--alias", "production", "--dest", str(tmp_path / "a"), "--json")
+    by_version = invoke("pull", "tiny-drafter", "--version", "1", "--dest", str(tmp_path / "v"), "--json")
+    assert by_alias["version"] == by_version["version"] == "1"
+    r = CliRunner().invoke(cli, ["pull", "tiny-drafter", "--version", "1", "--dest", str(tmp_path / "w"),
+                                 "--verifier", "another/verifier"])
+    assert r.exit_code == 1 and "was trained for verifier" in r.output
 
     # what deployments get loads with speculators itself, with the aux layers and verifier vLLM needs
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig

@@ -29,8 +29,20 @@ def promote(*args):
     return CliRunner().invoke(cli, ["promote", *args], catch_exceptions=False)
 
 
-def test_promotion_gates(workspace):
+@pytest.fixture(params=["sqlite", "server"])
+def store(request, workspace, monkeypatch):
+    """The embedded sqlite store, then a real `mlflow server` on loopback."""
+    if request.param == "server":
+        uri = request.getfixturevalue("mlflow_server")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        monkeypatch.setenv("DRAFTLINE_EXPERIMENT", f"promote-{request.node.name}")
+    return request.param
+
+
+def test_promotion_gates(store):
     client = MlflowClient()
+    mlflow.set_experiment(f"gates-{store}")
     _version(client, "d", 1.5)
     r = promote("d", "1", "--to", "Production", "--dry-run")
     assert r.exit_code == 0 and "dry run" in r.stdout and "PASS  val/acceptance_length >= 1.2" in r.stdout

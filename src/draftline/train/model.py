@@ -99,8 +99,9 @@ def accumulate(into: dict[str, float], metrics: dict[str, torch.Tensor]) -> dict
 
 def train_steps_in_process(model, records: Sequence[dict[str, torch.Tensor]], *, steps: int, lr: float,
                            ttt_steps: int = 3, tokens_per_batch: int = 2048, seed: int = 0,
-                           progress: bool = False) -> dict[str, float]:
-    """A bare PyTorch AdamW loop (one process, no DeepSpeed): the tiny parent's trainer and the benchmark floor."""
+                           progress: bool = False, callback=None, callback_every: int = 0) -> dict[str, float]:
+    """A bare PyTorch AdamW loop (one process, no DeepSpeed): the tiny parent's trainer and the benchmark floor.
+    ``callback(step)`` runs every ``callback_every`` steps (evaluation in benchmarks)."""
     from tqdm.auto import trange
 
     from draftline.train.batches import batches
@@ -112,7 +113,7 @@ def train_steps_in_process(model, records: Sequence[dict[str, torch.Tensor]], *,
     it = batches(records, tokens_per_batch, seed=seed)
     last: dict[str, float] = {}
     dtype = params[0].dtype
-    for _ in trange(steps, desc="train", disable=not progress):
+    for step in trange(1, steps + 1, desc="train", disable=not progress):
         batch = pack(next(it))
         for key in ("hidden_states", "verifier_last_hidden_states"):
             batch[key] = batch[key].to(dtype)
@@ -122,5 +123,7 @@ def train_steps_in_process(model, records: Sequence[dict[str, torch.Tensor]], *,
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         last = summarise(accumulate({}, metrics), ttt_steps)
+        if callback is not None and callback_every and step % callback_every == 0:
+            callback(step)
     model.eval()
     return last
