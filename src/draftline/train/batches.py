@@ -25,20 +25,19 @@ def batch_plan(lengths: Sequence[int], tokens_per_batch: int, *, seed: int, epoc
 
 def batches(records: Sequence[dict], tokens_per_batch: int, *, seed: int = 0, rank: int = 0,
             world_size: int = 1, start_step: int = 0) -> Iterator[list[dict]]:
-    """Endless stream of this rank's batches; global step ``s`` uses plan entry ``s * world_size + rank``."""
+    """Endless stream of this rank's batches; global step ``s`` uses batch ``s * world_size + rank`` of the
+    concatenated epoch plans, so a run resumed at ``start_step`` sees exactly the batches it would have seen."""
     lengths = [int(r["input_ids"].numel()) for r in records]
-    epoch, plans = 0, {}
+    plans: list[list[list[int]]] = []
     step = start_step
     while True:
-        idx = step * world_size + rank
-        # find the epoch holding global batch idx
-        epoch, offset = 0, idx
+        idx, epoch = step * world_size + rank, 0
         while True:
-            if epoch not in plans:
-                plans[epoch] = batch_plan(lengths, tokens_per_batch, seed=seed, epoch=epoch)
-            if offset < len(plans[epoch]):
+            if epoch == len(plans):
+                plans.append(batch_plan(lengths, tokens_per_batch, seed=seed, epoch=epoch))
+            if idx < len(plans[epoch]):
                 break
-            offset -= len(plans[epoch])
+            idx -= len(plans[epoch])
             epoch += 1
-        yield [records[i] for i in plans[epoch][offset]]
+        yield [records[i] for i in plans[epoch][idx]]
         step += 1
