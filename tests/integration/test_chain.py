@@ -1,5 +1,7 @@
 """The whole chain on the tiny verifier against a real `mlflow server` on loopback: prepare -> finetune
-(DeepSpeed ZeRO-2, 2 CPU ranks, from the tiny AQ-MedAI-layout parent) -> export -> promote -> pull."""
+(DeepSpeed ZeRO-2, 2 CPU ranks, from the tiny AQ-MedAI-layout parent) -> export -> promote -> pull, then a
+second generation finetuned from the registered first one (ZeRO-3, 2 ranks, rebuilt vocabulary) and the
+three-generation lineage."""
 
 import json
 
@@ -84,6 +86,32 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     first = {r: client.get_metric_history(r, "train/full_acc_0")[0] for r in (ft["run_id"], rnd["run_id"])}
     assert first[ft["run_id"]].step == first[rnd["run_id"]].step == 1
     assert first[ft["run_id"]].value > first[rnd["run_id"]].value + 0.2, first
+
+    # generation 2: parent = a registered version; ZeRO-3 over 2 ranks; a vocabulary rebuilt from the data
+    ft = invoke("finetune", "--data", prep["data_uri"], "--init", "models:/tiny-drafter/1",
+                "--vocab", "rebuild", "--draft-vocab-size", "200", "--zero-stage", "3", "--gpus", "2",
+                "--steps", "2", "--tokens-per-batch", "512", "--save-every", "2")
+    run = client.get_run(ft["run_id"])
+    p = run.data.params
+    assert p["parent.source"] == "models:/tiny-drafter/1" and p["parent.layout"] == "speculators"
+    assert p["parent.key_remap"] == "none" and p["zero.stage"] == "3" and p["vocab.policy"] == "rebuild"
+    assert int(p["vocab.kept"]) + int(p["vocab.added"]) == 200 and int(p["vocab.dropped"]) >= 56
+    assert run.data.tags["draftline.parent.model_version"] == "models:/tiny-drafter/1"
+    assert run.data.tags["draftline.parent.run_id"] == client.get_model_version("tiny-drafter", "1").run_id
+    ex = invoke("export", "--run", ft["run_id"], "--registered-model", "tiny-drafter")  # consolidates ZeRO-3
+    mv = client.get_model_version("tiny-drafter", ex["version"])
+    assert mv.tags["parent.source"] == "models:/tiny-drafter/1" and mv.tags["vocab.draft_size"] == "200"
+    assert mv.tags["export.validated"] == "true"
+
+    # three generations: v2 <- v1 <- the tiny parent (external root, with its sha256)
+    r = CliRunner().invoke(cli, ["lineage", "tiny-drafter", ex["version"], "--json"], catch_exceptions=False)
+    chain = json.loads(r.stdout)
+    assert [g["uri"] for g in chain] == [f"models:/tiny-drafter/{ex['version']}", "models:/tiny-drafter/1",
+                                         "draftline/tiny-parent"]
+    assert chain[-1]["kind"] == "root" and len(chain[-1]["sha256"]) == 64
+    assert chain[0]["data_digest"] == chain[1]["data_digest"]
+    text = CliRunner().invoke(cli, ["lineage", "tiny-drafter", ex["version"]]).stdout
+    assert text.startswith(f"tiny-drafter/{ex['version']} <- tiny-drafter/1 <- draftline/tiny-parent (sha256 ")
 
     # a tampered file is refused
     weights = tmp_path / "pulled" / "model.safetensors"
