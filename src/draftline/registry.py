@@ -125,12 +125,13 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
     if dry_run:
         return results, mv
     try:
-        client.transition_model_version_stage(name, version, stage, archive_existing_versions=True)
-        _converge_alias(client, name, stage)
+        # tags first: the transition must be this version's newest update (see _converge)
         now = datetime.now(timezone.utc).isoformat(timespec="seconds")
         for k, v in {f"promoted.{stage.lower()}.by": getpass.getuser(), f"promoted.{stage.lower()}.at": now,
                      f"promoted.{stage.lower()}.policy": policy_file.name}.items():
             client.set_model_version_tag(name, version, k, v)
+        client.transition_model_version_stage(name, version, stage, archive_existing_versions=True)
+        _converge(client, name, stage)
     except Exception as e:  # noqa: BLE001
         if _denied(e):
             import os
@@ -142,19 +143,27 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
     return results, client.get_model_version(name, version)
 
 
-def _converge_alias(client, name: str, stage: str, rounds: int = 20) -> None:
-    """Point the stage's alias at whichever version holds the stage now. The stage change itself is one
-    server-side transaction (the new holder in, the old one archived); racing promoters may finish their alias
-    updates in any order, so each re-reads the holder until alias and stage agree."""
+def _converge(client, name: str, stage: str, rounds: int = 20):
+    """Leave exactly one holder of ``stage`` and point its alias at it.
+
+    MLflow's transition archives the previous holder, but two transitions racing can both see the other as
+    not yet promoted and leave two holders. Every promoter therefore applies the same rule afterwards: the
+    holder whose transition came last (newest ``last_updated_timestamp``, then highest version) keeps the
+    stage, the others are archived. Transitions only ever add newer holders, so racers agree on the winner.
+    """
     for _ in range(rounds):
-        holder = _holder(client, name, stage)
-        if holder is None:
-            return
-        client.set_registered_model_alias(name, stage.lower(), holder.version)
-        again = _holder(client, name, stage)
-        if again is not None and str(again.version) == str(holder.version):
-            return
-    raise RegistryError(f"the {stage} alias of {name} kept moving; promote again when other promotions end")
+        holders = [v for v in client.search_model_versions(f"name='{name}'") if v.current_stage == stage]
+        if not holders:
+            return None
+        winner = max(holders, key=lambda v: (int(v.last_updated_timestamp or 0), int(v.version)))
+        for v in holders:
+            if str(v.version) != str(winner.version):
+                client.transition_model_version_stage(name, str(v.version), "Archived")
+        client.set_registered_model_alias(name, stage.lower(), str(winner.version))
+        again = [v for v in client.search_model_versions(f"name='{name}'") if v.current_stage == stage]
+        if len(again) == 1 and str(again[0].version) == str(winner.version):
+            return winner
+    raise RegistryError(f"{stage} of {name} kept moving; promote again when other promotions end")
 
 
 def format_results(results) -> str:
