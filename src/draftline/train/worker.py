@@ -118,20 +118,19 @@ def train(spec: dict) -> None:
                               aux_layer_ids=spec["aux_layer_ids"], draft_vocab_size=int(vocab["d2t"].numel()),
                               ttt_steps=spec["ttt_steps"], attn_impl=spec["attn_impl"], dtype=dtype)
     if spec.get("parent_path"):
+        parent_files = find_checkpoint(spec["parent_path"], allow_pickle=spec["allow_pickle"])
         remap = None
         if spec["vocab_policy"] == "rebuild":
-            from draftline.vocab import plan_remap, remap_lm_head
             from speculators.utils.loading import load_model_layers
 
-            parent_files = find_checkpoint(spec["parent_path"], allow_pickle=spec["allow_pickle"])
             from draftline.checkpoints import read_tensors
+            from draftline.vocab import plan_remap, remap_lm_head
 
             old_d2t = read_tensors(parent_files, {"d2t"})["d2t"]
             full_head = load_model_layers(["lm_head.weight"], spec["verifier"])["lm_head.weight"]
             plan = plan_remap(old_d2t, vocab["d2t"])
             remap = lambda old: remap_lm_head(old, plan, vocab["d2t"], full_head)  # noqa: E731
-        report = load_into_model(model, find_checkpoint(spec["parent_path"], allow_pickle=spec["allow_pickle"]),
-                                 lm_head_remap=remap)
+        report = load_into_model(model, parent_files, lm_head_remap=remap)
         if rank == 0:
             Path(spec["load_report"]).write_text(json.dumps(report.__dict__, indent=2))
     model.to(device)
