@@ -91,12 +91,12 @@ def _from_registry(uri: str, cache: Path) -> Parent:
     from draftline.registry import resolve_version
 
     name, version = resolve_version(MlflowClient(), uri)
-    dest = cache / "registry" / name / str(version.version)
-    from draftline.tracking import download
+    from draftline.transfer import BlobCache, fetch_directory
 
-    if not (dest / "config.json").is_file():
-        dest.mkdir(parents=True, exist_ok=True)
-        download(f"models:/{name}/{version.version}", dest)
+    dest = cache / "registry" / name / str(version.version)
+    client = MlflowClient()
+    # verified on every use: the files come from the content-addressed cache when they are there already
+    fetch_directory(client.get_model_version_download_uri(name, version.version), dest, cache=BlobCache())
     return Parent(init=uri, name=name, source=f"models:/{name}/{version.version}", revision=str(version.version),
                   path=dest, model_version=f"models:/{name}/{version.version}", run_id=version.run_id)
 

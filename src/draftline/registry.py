@@ -199,9 +199,11 @@ def vllm_command(directory: Path, verifier: str, num_speculative_tokens: int = 3
 
 
 def pull(client, name: str, *, stage: str | None, alias: str | None, version: str | None, dest: Path,
-         verifier: str | None = None) -> dict:
-    """Download a version into ``dest``, verify it, return ``{"version", "path", "command", "speculative_config"}``."""
-    from draftline.tracking import download
+         verifier: str | None = None, use_cache: bool = True) -> dict:
+    """Download a version into ``dest``, every file verified against its sha256 while it arrives (files
+    already in the local content-addressed cache are linked, not downloaded); returns ``{"version", "path",
+    "command", "speculative_config", "downloaded_bytes", "cached_bytes"}``."""
+    from draftline.transfer import BlobCache, fetch_directory
 
     chosen = [x for x in (stage, alias, version) if x]
     if len(chosen) != 1:
@@ -209,14 +211,14 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     uri = f"models:/{name}/{stage.capitalize()}" if stage else f"models:/{name}@{alias}" if alias else \
         f"models:/{name}/{version}"
     _, mv = resolve_version(client, uri)
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    local = download(f"models:/{name}/{mv.version}", dest)
-    verify_dir(local)
+    local = Path(dest)
+    stats = fetch_directory(client.get_model_version_download_uri(name, mv.version), local,
+                            cache=BlobCache() if use_cache else None)
     config = json.loads((local / "config.json").read_text())
     want = config["speculators_config"]["verifier"]["name_or_path"]
     if verifier and verifier != want:
         raise VerificationError(f"models:/{name}/{mv.version} was trained for verifier {want}, not {verifier}")
     steps = int(mv.tags.get("ttt_steps", 3))
-    cmd, spec = vllm_command(local, verifier or want, steps)
-    return {"version": mv.version, "path": str(local), "command": cmd, "speculative_config": spec}
+    cmd, spec = vllm_command(local.absolute(), verifier or want, steps)
+    return {"version": mv.version, "path": str(local.absolute()), "command": cmd, "speculative_config": spec,
+            "downloaded_bytes": stats["downloaded_bytes"], "cached_bytes": stats["cached_bytes"]}

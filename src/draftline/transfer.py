@@ -1,0 +1,200 @@
+"""Verified transfers of exported drafters, and the content-addressed cache pulls share.
+
+Every file of an export is named with its sha256 in ``checksums.json``. A pull downloads ``checksums.json``
+first, then each file it names through MLflow's own artifact repository (so any store MLflow supports
+works), hashing the bytes *while* they arrive on a second thread instead of re-reading the file afterwards.
+A file whose digest is already in the cache is not downloaded at all: the cache keeps one read-only copy per
+digest (``$DRAFTLINE_CACHE_DIR/blobs/sha256/<digest>``, default ``~/.cache/draftline``) and a pull hard-links
+it into place (or copies it across file systems). A blob is trusted while its size and mtime are those it
+had when it was verified; anything else is downloaded again. The destination only ever receives a complete,
+verified directory: files are assembled beside it and moved in last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path, PurePosixPath
+
+from draftline.errors import VerificationError
+
+CHECKSUMS = "checksums.json"
+_CHUNK = 8 << 20
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTLINE_CACHE_DIR") or Path.home() / ".cache" / "draftline")
+
+
+class _GrowingFileHasher(threading.Thread):
+    """sha256 of a file that another thread is still writing, read as it grows (from the page cache)."""
+
+    def __init__(self, path: Path):
+        super().__init__(daemon=True)
+        self.path, self.done, self.digest, self.size = path, threading.Event(), None, 0
+
+    def run(self) -> None:
+        h = hashlib.sha256()
+        while not self.path.exists() and not self.done.is_set():
+            time.sleep(0.002)
+        with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as f:
+            while True:
+                block = f.read(_CHUNK)
+                if block:
+                    h.update(block)
+                    self.size += len(block)
+                elif self.done.is_set():
+                    if not (block := f.read()):
+                        break
+                    h.update(block)
+                    self.size += len(block)
+                else:
+                    time.sleep(0.002)
+        self.digest = h.hexdigest()
+
+
+def download_verified(uri: str, name: str, digest: str, into: Path) -> Path:
+    """Download the artifact ``uri`` into ``into/<basename>`` and require its sha256 to be ``digest``."""
+    import mlflow
+
+    target = into / PurePosixPath(name).name
+    hasher = _GrowingFileHasher(target)
+    hasher.start()
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(into)))
+    finally:
+        hasher.done.set()
+        hasher.join()
+    got = hasher.digest if local == target and hasher.size == local.stat().st_size else None
+    if got != digest:  # a store that writes out of order or renames at the end: hash the file once more
+        from draftline.checkpoints import file_sha256
+
+        got = file_sha256(local)
+    if got != digest:
+        local.unlink(missing_ok=True)
+        raise VerificationError(f"{name} arrived with sha256 {got[:12]}…, not the {digest[:12]}… that "
+                                f"{CHECKSUMS} names: the stored copy was altered or corrupted; refusing it")
+    return local
+
+
+class BlobCache:
+    """One read-only file per sha256; a hit costs a hard link."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = (root or cache_root()) / "blobs" / "sha256"
+
+    def _paths(self, digest: str) -> tuple[Path, Path]:
+        blob = self.root / digest[:2] / digest
+        return blob, blob.with_suffix(".stat")
+
+    def get(self, digest: str) -> Path | None:
+        blob, stat = self._paths(digest)
+        try:
+            recorded = json.loads(stat.read_text())
+            st = blob.stat()
+        except (OSError, ValueError):
+            return None
+        return blob if recorded == {"size": st.st_size, "mtime_ns": st.st_mtime_ns} else None
+
+    def put(self, file: Path, digest: str) -> Path:
+        """Move a verified ``file`` into the cache (atomically) and return the blob."""
+        blob, stat = self._paths(digest)
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        file.chmod(0o444)
+        os.replace(file, blob)
+        st = blob.stat()
+        tmp = stat.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+        os.replace(tmp, stat)
+        return blob
+
+    def scratch(self) -> tempfile.TemporaryDirectory:
+        """A temporary directory on the cache's file system, so ``put`` is a rename."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return tempfile.TemporaryDirectory(prefix=".incoming-", dir=self.root)
+
+
+def _place(blob: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(blob, target)
+    except OSError:  # another file system (or no hard links): a copy
+        shutil.copyfile(blob, target)
+
+
+def _safe_names(manifest: dict[str, str], root: Path) -> None:
+    for name, digest in manifest.items():
+        p = PurePosixPath(name)
+        if p.is_absolute() or ".." in p.parts or not p.parts or not (root / p).resolve().is_relative_to(root):
+            raise VerificationError(f"{CHECKSUMS} names {name!r}, which escapes the destination; refusing it")
+        if not (isinstance(digest, str) and len(digest) == 64):
+            raise VerificationError(f"{CHECKSUMS} gives {name!r} no sha256; refusing it")
+
+
+def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None) -> dict:
+    """Assemble the export at ``base_uri`` into ``dest``, every file verified; returns what was transferred.
+
+    ``dest`` is replaced only once everything is in place; on any failure it is left as it was.
+    """
+    import mlflow
+
+    dest = Path(dest).absolute()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    stats = {"files": 0, "downloaded_bytes": 0, "cached_bytes": 0}
+    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.partial-", dir=dest.parent) as staging:
+        staging = Path(staging)
+        try:
+            listed = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{base_uri}/{CHECKSUMS}",
+                                                              dst_path=str(staging)))
+            manifest = json.loads(listed.read_text())
+        except (OSError, ValueError) as e:
+            raise VerificationError(f"{base_uri} has no readable {CHECKSUMS} ({e}): not a draftline export, "
+                                    "refusing it") from None
+        except Exception as e:  # noqa: BLE001  (MlflowException: the file is not there)
+            raise VerificationError(f"{base_uri} has no {CHECKSUMS}: not a draftline export, refusing it "
+                                    f"({str(e).splitlines()[0]})") from None
+        if not isinstance(manifest, dict):
+            raise VerificationError(f"{CHECKSUMS} of {base_uri} is not a mapping of file: sha256")
+        _safe_names(manifest, staging.resolve())
+        for name, digest in sorted(manifest.items()):
+            target = staging / name
+            blob = cache.get(digest) if cache else None
+            if blob is None:
+                with (cache.scratch() if cache else contextlib.nullcontext(str(staging / ".incoming"))) as tmp:
+                    Path(tmp).mkdir(parents=True, exist_ok=True)
+                    local = download_verified(f"{base_uri}/{name}", name, digest, Path(tmp))
+                    stats["downloaded_bytes"] += local.stat().st_size
+                    if cache:
+                        _place(cache.put(local, digest), target)
+                    else:
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        os.replace(local, target)
+            else:
+                stats["cached_bytes"] += blob.stat().st_size
+                _place(blob, target)
+            stats["files"] += 1
+        shutil.rmtree(staging / ".incoming", ignore_errors=True)
+        _install(staging, dest)
+    return stats
+
+
+def _install(staging: Path, dest: Path) -> None:
+    """Move the verified files over ``dest``: a missing or empty ``dest`` is replaced whole; otherwise the
+    pulled files replace theirs one by one (other files there are left alone)."""
+    if dest.is_dir() and not any(dest.iterdir()):
+        dest.rmdir()
+    if not dest.exists():
+        os.replace(staging, dest)
+        staging.mkdir()  # TemporaryDirectory removes it on exit
+        return
+    for p in sorted(staging.rglob("*"), key=lambda p: p.name == CHECKSUMS):  # the manifest last
+        if p.is_file():
+            target = dest / p.relative_to(staging)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(p, target)

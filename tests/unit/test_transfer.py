@@ -1,0 +1,82 @@
+"""Verified pulls through the content-addressed cache, on the embedded store and a real `mlflow server`."""
+
+import json
+import os
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow import MlflowClient
+
+from draftline.errors import VerificationError
+from draftline.export import CHECKSUMS, sha256_manifest
+from draftline.transfer import BlobCache, fetch_directory
+
+
+@pytest.fixture(params=["sqlite", "server"])
+def store(request, workspace, monkeypatch, tmp_path):
+    if request.param == "server":
+        uri = request.getfixturevalue("mlflow_server")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(f"transfer-{request.node.name}")
+    monkeypatch.setenv("DRAFTLINE_CACHE_DIR", str(tmp_path / "cache"))
+    return request.param
+
+
+def _publish(tmp_path: Path, files: dict[str, bytes], manifest: dict | None = None) -> str:
+    d = tmp_path / "export"
+    d.mkdir()
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    (d / CHECKSUMS).write_text(json.dumps(manifest if manifest is not None else sha256_manifest(d)))
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(d), "drafter")
+    return f"{run.info.artifact_uri}/drafter"
+
+
+FILES = {"model.safetensors": os.urandom(3 << 20), "config.json": b'{"a": 1}', "README.md": b"# card\n"}
+
+
+def test_cold_then_warm_pull_and_a_changed_blob_is_fetched_again(store, tmp_path):
+    uri = _publish(tmp_path, FILES)
+    cold = fetch_directory(uri, tmp_path / "a", cache=BlobCache())
+    assert cold["downloaded_bytes"] == sum(len(b) for b in FILES.values()) and cold["cached_bytes"] == 0
+    assert {n: (tmp_path / "a" / n).read_bytes() for n in FILES} == FILES
+
+    warm = fetch_directory(uri, tmp_path / "b", cache=BlobCache())  # a restarted pod: nothing downloaded
+    assert warm["downloaded_bytes"] == 0 and warm["cached_bytes"] == cold["downloaded_bytes"]
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+
+    # someone writes through the pulled file (a hard link to the blob): the cache no longer trusts it
+    with open(tmp_path / "b" / "model.safetensors", "r+b") as f:
+        f.write(b"\0" * 16)
+    again = fetch_directory(uri, tmp_path / "c", cache=BlobCache())
+    assert again["downloaded_bytes"] == len(FILES["model.safetensors"])
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+
+
+def test_an_altered_stored_file_is_refused_and_the_destination_is_left_alone(store, tmp_path):
+    good = sha256_manifest_of(FILES)
+    uri = _publish(tmp_path, {**FILES, "model.safetensors": b"not the weights"}, manifest=good)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("mine")
+    with pytest.raises(VerificationError, match="model.safetensors arrived with sha256 .* refusing it"):
+        fetch_directory(uri, dest, cache=BlobCache())
+    assert sorted(p.name for p in dest.iterdir()) == ["keep.txt"]  # nothing half-pulled
+    assert not any(p.name.startswith(".dest.partial") for p in tmp_path.iterdir())
+    assert BlobCache().get(good["model.safetensors"]) is None  # nor cached
+
+
+def test_names_escaping_the_destination_are_refused_before_any_download(store, tmp_path):
+    uri = _publish(tmp_path, FILES, manifest={"../../evil.sh": "0" * 64})
+    with pytest.raises(VerificationError, match="escapes the destination"):
+        fetch_directory(uri, tmp_path / "d", cache=None)
+    assert not (tmp_path / "d").exists() and not (tmp_path.parent / "evil.sh").exists()
+
+
+def sha256_manifest_of(files: dict[str, bytes]) -> dict[str, str]:
+    import hashlib
+
+    return {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
