@@ -3,6 +3,8 @@
     python -m benchmarks.run train-step [--shape tiny|real] [--tokens N] [--iters N]
     python -m benchmarks.run parent-load [--shape real|tiny]
     python -m benchmarks.run warm-start
+    python -m benchmarks.run plan                   (the Kimi-K2 drafter on 8 x 180 GiB, per ZeRO stage)
+    python -m benchmarks.run registry [--shape real|tiny]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _table(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("name", choices=["train-step", "parent-load", "warm-start"])
+    ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan"])
     ap.add_argument("--shape", default=None, choices=["tiny", "real"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
@@ -43,6 +45,14 @@ def main(argv=None) -> int:
         from benchmarks.warm_start import run
 
         result = run()
+    elif args.name == "plan":
+        from benchmarks.plan import run
+
+        result = run()
+    elif args.name == "registry":
+        from benchmarks.registry import run
+
+        result = run(shape=args.shape or "real")
     else:
         from benchmarks.parent_load import run
 

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -66,41 +62,8 @@ def workspace(tmp_path, monkeypatch, tiny):
         mlflow.end_run()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(root: Path, extra: list[str] = (), env: dict | None = None):
-    """``mlflow server`` on loopback with a sqlite backend and proxied artifacts; returns (process, URI)."""
-    import httpx
-
-    port = _free_port()
-    uri = f"http://127.0.0.1:{port}"
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1", *extra],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(uri + "/health", timeout=2).status_code == 200:
-                return proc, uri
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError((root / "server.log").read_text()[-3000:])
-        time.sleep(0.5)
-    os.killpg(proc.pid, 9)
-    raise RuntimeError("mlflow server did not start within 120 s")
-
-
-def _stop(proc):
-    os.killpg(proc.pid, 15)
-    proc.wait(timeout=30)
+from draftline.localserver import start_mlflow_server as _start_server  # noqa: E402
+from draftline.localserver import stop as _stop  # noqa: E402
 
 
 @pytest.fixture(scope="session")

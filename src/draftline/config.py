@@ -19,7 +19,8 @@ class _Strict(BaseModel):
 
 
 class PrepareConfig(_Strict):
-    conversations: str = Field(description="Conversations file: JSONL/JSON in OpenAI `messages` or ShareGPT form.")
+    conversations: str = Field(description="Conversations: a JSONL/JSON file in OpenAI `messages` or ShareGPT "
+                                           "form, or a Hugging Face dataset directory (save_to_disk).")
     verifier: str = Field(description="Verifier: a local Hugging Face directory (model + tokenizer with a chat "
                                       "template) or a repo id already in the local cache.")
     aux_layers: list[int] | None = Field(None, description="Verifier layers whose hidden states EAGLE-3 reads "
@@ -29,6 +30,21 @@ class PrepareConfig(_Strict):
     batch_size: int = Field(8, ge=1, le=4096, description="Conversations per verifier forward pass.")
     shard_tokens: int = Field(1 << 20, ge=1, description="Tokens per safetensors shard.")
     name: str = Field("conversations", description="Data set name shown in the MLflow UI.")
+    output_dir: str | None = Field(None, description="Where the shards are written and stay (shared storage "
+                                   "for a cluster; default $DRAFTLINE_WORK/prepared/<key>). A rerun with the "
+                                   "same inputs and settings resumes there after the last finished shard.")
+    log_shards: bool = Field(False, description="Also copy the shards into the MLflow artifact store (by "
+                                                "default the run logs their location and sha256s only).")
+    regenerate_endpoint: str | None = Field(None, description="OpenAI-compatible base URL serving the verifier "
+                                            "(e.g. http://127.0.0.1:8000/v1 from `vllm serve`): regenerate every "
+                                            "assistant turn with it before tokenising (API key from "
+                                            "OPENAI_API_KEY or DRAFTLINE_REGENERATE_API_KEY).")
+    regenerate_model: str | None = Field(None, description="Model name to request (default: the first model "
+                                                           "the endpoint lists).")
+    regenerate_max_tokens: int = Field(512, ge=1, description="Most tokens per regenerated assistant turn.")
+    regenerate_concurrency: int = Field(8, ge=1, le=4096, description="Conversations regenerated at once.")
+    regenerate_temperature: float = Field(0.0, ge=0.0, le=2.0, description="Sampling temperature for "
+                                                                           "regeneration (0: greedy).")
 
 
 class FinetuneConfig(_Strict):
@@ -70,6 +86,13 @@ class ExportConfig(_Strict):
                                   description="Registered model the version is added to.")
     layout: Literal["speculators", "midlayer"] = Field("speculators", description="Extra layout to write "
                                                        "(speculators is always written; midlayer adds SGLang's).")
+
+
+def work_dir() -> Path:
+    """Scratch and cache space of this machine: $DRAFTLINE_WORK, default ./work."""
+    import os
+
+    return Path(os.environ.get("DRAFTLINE_WORK", "work")).resolve()
 
 
 def resolve(model: type[BaseModel], *, flags: dict[str, Any] | None = None, file: str | Path | None = None):

@@ -17,9 +17,11 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 from draftline.errors import VerificationError
@@ -35,9 +37,10 @@ def cache_root() -> Path:
 class _GrowingFileHasher(threading.Thread):
     """sha256 of a file that another thread is still writing, read as it grows (from the page cache)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, on_bytes=None):
         super().__init__(daemon=True)
         self.path, self.done, self.digest, self.size = path, threading.Event(), None, 0
+        self.on_bytes = on_bytes or (lambda n: None)
 
     def run(self) -> None:
         h = hashlib.sha256()
@@ -49,22 +52,24 @@ class _GrowingFileHasher(threading.Thread):
                 if block:
                     h.update(block)
                     self.size += len(block)
+                    self.on_bytes(len(block))
                 elif self.done.is_set():
                     if not (block := f.read()):
                         break
                     h.update(block)
                     self.size += len(block)
+                    self.on_bytes(len(block))
                 else:
                     time.sleep(0.002)
         self.digest = h.hexdigest()
 
 
-def download_verified(uri: str, name: str, digest: str, into: Path) -> Path:
+def download_verified(uri: str, name: str, digest: str, into: Path, on_bytes=None) -> Path:
     """Download the artifact ``uri`` into ``into/<basename>`` and require its sha256 to be ``digest``."""
     import mlflow
 
     target = into / PurePosixPath(name).name
-    hasher = _GrowingFileHasher(target)
+    hasher = _GrowingFileHasher(target, on_bytes)
     hasher.start()
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(into)))
@@ -137,7 +142,7 @@ def _safe_names(manifest: dict[str, str], root: Path) -> None:
             raise VerificationError(f"{CHECKSUMS} gives {name!r} no sha256; refusing it")
 
 
-def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None) -> dict:
+def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progress: bool = True) -> dict:
     """Assemble the export at ``base_uri`` into ``dest``, every file verified; returns what was transferred.
 
     ``dest`` is replaced only once everything is in place; on any failure it is left as it was.
@@ -147,7 +152,8 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None) -> di
     dest = Path(dest).absolute()
     dest.parent.mkdir(parents=True, exist_ok=True)
     stats = {"files": 0, "downloaded_bytes": 0, "cached_bytes": 0}
-    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.partial-", dir=dest.parent) as staging:
+    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.partial-", dir=dest.parent) as staging, \
+            _quiet_mlflow():
         staging = Path(staging)
         try:
             listed = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{base_uri}/{CHECKSUMS}",
@@ -162,26 +168,52 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None) -> di
         if not isinstance(manifest, dict):
             raise VerificationError(f"{CHECKSUMS} of {base_uri} is not a mapping of file: sha256")
         _safe_names(manifest, staging.resolve())
+        todo = []
         for name, digest in sorted(manifest.items()):
-            target = staging / name
             blob = cache.get(digest) if cache else None
             if blob is None:
-                with (cache.scratch() if cache else contextlib.nullcontext(str(staging / ".incoming"))) as tmp:
-                    Path(tmp).mkdir(parents=True, exist_ok=True)
-                    local = download_verified(f"{base_uri}/{name}", name, digest, Path(tmp))
-                    stats["downloaded_bytes"] += local.stat().st_size
-                    if cache:
-                        _place(cache.put(local, digest), target)
-                    else:
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        os.replace(local, target)
+                todo.append((name, digest))
             else:
                 stats["cached_bytes"] += blob.stat().st_size
-                _place(blob, target)
-            stats["files"] += 1
-        shutil.rmtree(staging / ".incoming", ignore_errors=True)
+                _place(blob, staging / name)
+        from tqdm.auto import tqdm
+
+        with ThreadPoolExecutor(4, thread_name_prefix="draftline-pull") as pool, \
+                tqdm(desc="pull (sha256 while downloading)", unit="B", unit_scale=True, disable=not (progress and todo),
+                     file=sys.stderr) as bar:
+            for size in pool.map(lambda item: _fetch_one(base_uri, *item, staging, cache, bar.update), todo):
+                stats["downloaded_bytes"] += size
+        stats["files"] = len(manifest)
         _install(staging, dest)
     return stats
+
+
+def _fetch_one(base_uri: str, name: str, digest: str, staging: Path, cache: BlobCache | None, on_bytes) -> int:
+    target = staging / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with cache.scratch() if cache else tempfile.TemporaryDirectory(prefix=".incoming-", dir=staging) as tmp:
+        local = download_verified(f"{base_uri}/{name}", name, digest, Path(tmp), on_bytes)
+        size = local.stat().st_size
+        if cache:
+            _place(cache.put(local, digest), target)
+        else:
+            os.replace(local, target)
+    return size
+
+
+@contextlib.contextmanager
+def _quiet_mlflow():
+    """One progress bar per file from MLflow is noise here; the pull reports its own totals."""
+    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    before = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def _install(staging: Path, dest: Path) -> None:

@@ -1,4 +1,4 @@
-"""A finetune killed mid-run (kill -9 of the whole process group) continues in the same MLflow run."""
+"""A finetune or a prepare killed mid-run (kill -9 of the whole process group) continues in the same MLflow run."""
 
 import json
 import os
@@ -12,6 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _draftline(*args):
@@ -51,3 +52,32 @@ def test_kill_and_resume_continues_the_same_run(workspace, prepared):
     assert run.info.status == "FINISHED" and run.data.params == params_before
     steps = sorted({m.step for m in client.get_metric_history(run_id, "train/loss")})
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_prepare_killed_during_capture_resumes_in_the_same_run_and_writes_the_same_data(workspace, tiny, prepared):
+    from draftline.data.shards import PROGRESS, open_prepared
+
+    out = workspace / "data"
+    flags = ["--conversations", ROOT / "configs" / "demo" / "conversations.jsonl", "--verifier", tiny["verifier"],
+             "--max-length", "256", "--shard-tokens", "4096", "--output-dir", out]
+    proc = subprocess.Popen(_draftline("prepare", *flags), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and not (out / PROGRESS).is_file():
+        time.sleep(0.05)
+    assert proc.poll() is None, "prepare ended before its first shard could be interrupted"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finished = len(json.loads((out / PROGRESS).read_text())["shards"])
+    assert 1 <= finished < len(open_prepared(prepared).manifest["shards"])
+    killed = MlflowClient().search_runs(["0"] + [e.experiment_id for e in MlflowClient().search_experiments()])
+    assert [r.info.status for r in killed] == ["RUNNING"]  # what kill -9 leaves behind
+
+    done = subprocess.run(_draftline("prepare", *flags), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"after {finished} finished shards" in done.stderr
+    result = json.loads(done.stdout)
+    assert result["run_id"] == killed[0].info.run_id  # the same MLflow run, now FINISHED
+    assert MlflowClient().get_run(result["run_id"]).info.status == "FINISHED"
+    # byte for byte what an uninterrupted prepare of the same inputs wrote
+    assert result["digest"] == open_prepared(prepared).manifest["digest"]

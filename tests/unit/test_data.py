@@ -108,5 +108,40 @@ def test_digest_changes_when_a_shard_changes(prepared, tmp_path):
     raw = bytearray(shard.read_bytes())
     raw[-1] ^= 0xFF
     shard.write_bytes(bytes(raw))
-    with pytest.raises(DataError, match="does not match its manifest sha256"):
+    with pytest.raises(DataError, match="does not match the sha256 in its manifest"):
         open_prepared(copy, verify=True)
+
+
+def test_hugging_face_dataset_directory_with_a_malformed_row(tmp_path):
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"messages": [{"role": "user", "content": "only a question"}]},
+            {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "ds"))
+    convs = load_conversations(tmp_path / "ds")
+    assert [s["messages"][-1]["content"] for s in convs.samples] == ["hello", "4"]
+    assert convs.skipped == [(2, "no assistant turn (nothing to learn from)")]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="not a Hugging Face dataset saved with save_to_disk"):
+        load_conversations(tmp_path / "empty")
+
+
+def test_shards_are_found_where_prepare_left_them(prepared, tmp_path):
+    import shutil
+
+    from draftline.data.shards import FREQS, MANIFEST
+
+    logged = tmp_path / "logged"  # what a prepare run logs by default: the manifest and the frequencies
+    logged.mkdir()
+    for name in (MANIFEST, FREQS):
+        shutil.copy(prepared / name, logged / name)
+    data = open_prepared(logged, verify=True)
+    assert data.shard_root == prepared.resolve() and len(data.records()) == data.manifest["samples"]
+    moved = tmp_path / "moved"
+    prepared_copy = shutil.copytree(prepared, tmp_path / "orig")
+    m = open_prepared(prepared_copy).manifest
+    m["location"] = str(moved)
+    (logged / MANIFEST).write_text(__import__("json").dumps(m))
+    with pytest.raises(DataError, match=f"neither in {logged} nor at {moved}.*--log-shards"):
+        open_prepared(logged)

@@ -1,10 +1,12 @@
-"""Read conversations in OpenAI ``messages`` form or ShareGPT form (JSON list or JSONL).
+"""Read conversations in OpenAI ``messages`` form or ShareGPT form: a JSON list, JSONL, or a Hugging Face
+``datasets`` directory written by ``save_to_disk`` (its ``train`` split, or its only one).
 
 Malformed records are reported with their line (or index) and skipped; an empty result is an error.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,28 +50,65 @@ def _normalise(record: object) -> dict:
     return {"id": str(record.get("id", "")), "messages": out}
 
 
+def _records_from_dataset(path: Path) -> list[tuple[int, object]]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"{path} is a directory but not a Hugging Face dataset saved with save_to_disk ({e}); "
+                        "pass a JSONL/JSON file or such a directory") from None
+    if isinstance(ds, datasets.DatasetDict):
+        split = "train" if "train" in ds else next(iter(ds)) if len(ds) == 1 else None
+        if split is None:
+            raise DataError(f"dataset {path} has splits {sorted(ds)} and none is called train: save the split "
+                            "to use on its own")
+        ds = ds[split]
+    return [(i, row) for i, row in enumerate(ds, start=1)]
+
+
+def _records_from_json(path: Path) -> tuple[list[tuple[int, object]], list[tuple[int, str]]]:
+    text = path.read_text(encoding="utf-8")
+    records: list[tuple[int, object]] = []
+    skipped: list[tuple[int, str]] = []
+    if text.lstrip().startswith("["):
+        try:
+            return list(enumerate(json.loads(text), start=1)), skipped
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} is not valid JSON ({e}); use a JSON list or one JSON object per line") from None
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append((lineno, json.loads(line)))
+        except json.JSONDecodeError as e:
+            skipped.append((lineno, f"invalid JSON: {e.msg}"))
+    return records, skipped
+
+
+def source_digest(path: Path | str) -> str:
+    """sha256 of the input: the file's bytes, or every file of a dataset directory (names and bytes)."""
+    from draftline.checkpoints import file_sha256
+
+    path = Path(path)
+    if path.is_file():
+        return file_sha256(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(path)}\0{file_sha256(f)}\n".encode())
+    return h.hexdigest()
+
+
 def load_conversations(path: Path | str) -> Conversations:
     """Load and normalise every conversation in ``path``; raise :class:`DataError` if none is usable."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"conversations file {path} does not exist: pass --conversations a JSONL or JSON file")
-    text = path.read_text(encoding="utf-8")
-    stripped = text.lstrip()
-    records: list[tuple[int, object]] = []
-    skipped: list[tuple[int, str]] = []
-    if stripped.startswith("["):
-        try:
-            records = list(enumerate(json.loads(text), start=1))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} is not valid JSON ({e}); use a JSON list or one JSON object per line") from None
+    if path.is_dir():
+        records, skipped = _records_from_dataset(path), []
+    elif path.is_file():
+        records, skipped = _records_from_json(path)
     else:
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                skipped.append((lineno, f"invalid JSON: {e.msg}"))
+        raise DataError(f"conversations {path} does not exist: pass --conversations a JSONL or JSON file or a "
+                        "Hugging Face dataset directory (save_to_disk)")
     samples = []
     for where, rec in records:
         try:
@@ -80,6 +119,7 @@ def load_conversations(path: Path | str) -> Conversations:
         s["id"] = s["id"] or f"{path.stem}-{where}"
         samples.append(s)
     if not samples:
-        detail = "; ".join(f"line {n}: {why}" for n, why in skipped[:5])
+        unit = "row" if path.is_dir() else "line"
+        detail = "; ".join(f"{unit} {n}: {why}" for n, why in skipped[:5])
         raise DataError(f"no usable conversation in {path}" + (f" ({detail})" if detail else ""))
     return Conversations(samples=samples, skipped=skipped)

@@ -6,15 +6,15 @@ One MLflow run; the data set is logged with ``mlflow.log_input`` and a digest, a
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from draftline.config import PrepareConfig
+from draftline.config import PrepareConfig, work_dir
 from draftline.data import shards
 from draftline.errors import DataError
 
@@ -50,8 +50,31 @@ def resolve_aux_layers(aux: list[int] | None, num_layers: int) -> list[int]:
     return ids
 
 
-def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True) -> dict:
-    """Write shards, token frequencies and the manifest into ``out_dir``; returns the manifest."""
+def verifier_fingerprint(path: str) -> str:
+    """sha256 over the verifier's config and tokenizer files (what shapes and tokenises; weights are too big
+    to hash per prepare and are named by the path)."""
+    h = hashlib.sha256(path.encode())
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json", "chat_template.jinja"):
+        f = Path(path) / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def prepare_key(cfg: PrepareConfig) -> str:
+    """sha256 naming everything the shards depend on: the input's bytes, the verifier, the settings."""
+    from draftline.data.conversations import source_digest
+
+    fields = cfg.model_dump(exclude={"name", "output_dir", "log_shards", "regenerate_concurrency"})
+    fields.update(conversations=source_digest(cfg.conversations),
+                  verifier=verifier_fingerprint(resolve_verifier(cfg.verifier)),
+                  format_version=shards.FORMAT_VERSION)
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key: str | None = None) -> dict:
+    """Write shards, token frequencies and the manifest into ``out_dir``; returns the manifest. Finished
+    shards already in ``out_dir`` for the same inputs and settings are kept and the capture resumes after them."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -64,6 +87,9 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True) -> d
     for where, why in convs.skipped[:20]:
         log.warning("skipped record %s of %s: %s", where, cfg.conversations, why)
     samples = convs.samples[: cfg.max_samples] if cfg.max_samples else convs.samples
+    regenerated = _regenerate(cfg, samples, progress) if cfg.regenerate_endpoint else None
+    if regenerated:
+        samples = regenerated.pop("samples")
 
     verifier_path = resolve_verifier(cfg.verifier)
     tokenizer = AutoTokenizer.from_pretrained(verifier_path)
@@ -75,23 +101,26 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True) -> d
     num_layers = verifier.config.num_hidden_layers
     aux = resolve_aux_layers(cfg.aux_layers, num_layers)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     vocab = verifier.config.vocab_size
-    freqs = torch.zeros(vocab, dtype=torch.long)
-    entries, pending, pending_tokens = [], [], 0
-    stream = iter_hidden_states(verifier, tokenized, aux, cfg.batch_size)
+    # the samples themselves are part of the key: a regeneration that failed for some conversations in one
+    # run and not in the next must not resume shards cut from another sample list
+    samples_digest = hashlib.sha256(json.dumps([(t.id, t.input_ids, t.loss_mask) for t in tokenized]).encode())
+    writer_key = hashlib.sha256(f"{key or prepare_key(cfg)}:{samples_digest.hexdigest()}".encode()).hexdigest()
+    writer = shards.ShardWriter(out_dir, writer_key, cfg.shard_tokens, vocab)
+    if writer.done_samples:
+        log.warning("resuming the hidden-state capture in %s after %d finished shards (%d samples)",
+                    out_dir, len(writer.entries), writer.done_samples)
     total_tokens = sum(len(t.input_ids) for t in tokenized)
-    with tqdm(total=total_tokens, desc="verifier hidden states", unit="tok", disable=not progress) as bar:
-        for rec in stream:
-            freqs += torch.bincount(rec["input_ids"][rec["loss_mask"]], minlength=vocab)
-            pending.append(rec)
-            pending_tokens += rec["input_ids"].numel()
+    stream = iter_hidden_states(verifier, tokenized[writer.done_samples:], aux, cfg.batch_size)
+    with tqdm(total=total_tokens, initial=writer.done_tokens, desc="verifier hidden states", unit="tok",
+              disable=not progress) as bar:
+        for i, rec in enumerate(stream, start=1):
+            writer.add(rec)
             bar.update(rec["input_ids"].numel())
-            if pending_tokens >= cfg.shard_tokens:
-                entries.append(shards.write_shard(out_dir / f"shard-{len(entries):05d}.safetensors", pending))
-                pending, pending_tokens = [], 0
-        if pending:
-            entries.append(shards.write_shard(out_dir / f"shard-{len(entries):05d}.safetensors", pending))
+            if i % cfg.batch_size == 0:  # shards close on batch boundaries: a resumed run batches alike
+                writer.boundary()
+        writer.boundary(final=True)
+    entries, freqs = writer.entries, writer.freqs
     save_file({"freqs": freqs}, str(out_dir / shards.FREQS))
     hidden = verifier.config.hidden_size
     manifest = {
@@ -110,9 +139,23 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True) -> d
         "masked_tokens": sum(e["masked_tokens"] for e in entries),
         "skipped_records": len(convs.skipped),
         "source": str(Path(cfg.conversations).resolve()),
+        "location": str(Path(out_dir).resolve()),
         "shards": entries,
+        **({"regenerated": regenerated} if regenerated else {}),
     }
     return shards.write_manifest(out_dir, manifest)
+
+
+def _regenerate(cfg: PrepareConfig, samples: list[dict], progress: bool) -> dict:
+    """The samples regenerated by the verifier behind ``cfg.regenerate_endpoint``, and what to record."""
+    from draftline.data.regenerate import redact, regenerate
+
+    r = regenerate(samples, cfg.regenerate_endpoint, model=cfg.regenerate_model,
+                   max_tokens=cfg.regenerate_max_tokens, temperature=cfg.regenerate_temperature,
+                   concurrency=cfg.regenerate_concurrency, progress=progress)
+    return {"samples": r.samples, "endpoint": redact(cfg.regenerate_endpoint), "model": r.model,
+            "max_tokens": cfg.regenerate_max_tokens, "temperature": cfg.regenerate_temperature,
+            "file_sha256": r.file_sha256, "done": r.done, "reused": r.reused, "failed": r.failed}
 
 
 def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
@@ -124,29 +167,51 @@ def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
     from draftline import lineage, tracking
 
     tracking.setup()
-    with tracking.stage_run("prepare", run_name="prepare") as active:
+    key = prepare_key(cfg)
+    out = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else work_dir() / "prepared" / key[:16]
+    with shards.exclusive(out), tracking.stage_run("prepare", run_name="prepare", run_id=_unfinished_run(key),
+                                                   tags={"draftline.prepare.key": key}) as active:
         run_id = active.info.run_id
-        with tempfile.TemporaryDirectory(prefix="draftline-prepare-") as tmp:
-            out = Path(tmp) / "data"
-            manifest = build_data(cfg, out, progress=progress)
-            tracking.log_params_once({
-                "verifier.name_or_path": manifest["verifier"],
-                "verifier.aux_layers": manifest["aux_layer_ids"],
-                "data.source": manifest["source"],
-                "data.max_length": cfg.max_length,
-                "data.max_samples": cfg.max_samples,
-                "data.digest": manifest["digest"],
-            })
-            mlflow.log_metrics({"data/samples": manifest["samples"], "data/tokens": manifest["tokens"],
-                                "data/masked_tokens": manifest["masked_tokens"],
-                                "data/skipped_records": manifest["skipped_records"],
-                                "data/bytes_per_token": manifest["bytes_per_token"]}, step=0)
-            dataset = MetaDataset(source=resolve_dataset_source(manifest["source"]), name=cfg.name,
-                                  digest=manifest["digest"][:36])
-            mlflow.log_input(dataset, context="training",
-                             tags={"samples": str(manifest["samples"]), "tokens": str(manifest["tokens"]),
-                                   "sha256": manifest["digest"]})
-            mlflow.set_tags({"draftline.data.digest": manifest["digest"], **lineage.environment_tags()})
-            mlflow.log_artifacts(str(out), artifact_path="data")
-            shutil.rmtree(out, ignore_errors=True)
-    return {"run_id": run_id, "data_uri": f"runs:/{run_id}/data", "digest": manifest["digest"]}
+        manifest = build_data(cfg, out, progress=progress, key=key)
+        tracking.log_params_once({
+            "verifier.name_or_path": manifest["verifier"],
+            "verifier.aux_layers": manifest["aux_layer_ids"],
+            "data.source": manifest["source"],
+            "data.max_length": cfg.max_length,
+            "data.max_samples": cfg.max_samples,
+            "data.digest": manifest["digest"],
+            "data.location": manifest["location"],
+            "data.shards_logged": cfg.log_shards,
+        })
+        mlflow.log_metrics({"data/samples": manifest["samples"], "data/tokens": manifest["tokens"],
+                            "data/masked_tokens": manifest["masked_tokens"],
+                            "data/skipped_records": manifest["skipped_records"],
+                            "data/bytes_per_token": manifest["bytes_per_token"],
+                            "data/shard_bytes": sum((out / e["file"]).stat().st_size for e in manifest["shards"])},
+                           step=0)
+        dataset = MetaDataset(source=resolve_dataset_source(manifest["source"]), name=cfg.name,
+                              digest=manifest["digest"][:36])
+        mlflow.log_input(dataset, context="training",
+                         tags={"samples": str(manifest["samples"]), "tokens": str(manifest["tokens"]),
+                               "sha256": manifest["digest"], "location": manifest["location"]})
+        mlflow.set_tags({"draftline.data.digest": manifest["digest"], **lineage.environment_tags()})
+        # the manifest (location + every shard's sha256) and the frequencies always; the shards only if asked
+        for name in (shards.MANIFEST, shards.FREQS):
+            mlflow.log_artifact(str(out / name), artifact_path="data")
+        if cfg.log_shards:
+            for e in manifest["shards"]:
+                mlflow.log_artifact(str(out / e["file"]), artifact_path="data")
+    return {"run_id": run_id, "data_uri": f"runs:/{run_id}/data", "digest": manifest["digest"],
+            "location": manifest["location"]}
+
+
+def _unfinished_run(key: str) -> str | None:
+    """The prepare run an interrupted prepare of the same inputs left behind (FAILED, or RUNNING after a
+    kill -9; the directory lock proves nobody is still writing), so a rerun continues it."""
+    import mlflow
+
+    if os.environ.get("MLFLOW_RUN_ID"):  # under `mlflow run`, the run is given
+        return None
+    runs = mlflow.search_runs(filter_string=f"tags.`draftline.prepare.key` = '{key}'", output_format="list",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id if runs and runs[0].info.status in ("FAILED", "RUNNING", "KILLED") else None

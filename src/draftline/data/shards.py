@@ -8,6 +8,7 @@ the shapes, the counts, each shard's sha256, and the data digest.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -45,6 +46,87 @@ def write_shard(path: Path, records: list[dict[str, torch.Tensor]]) -> dict:
             "masked_tokens": int(tensors["loss_mask"].sum()), "sha256": file_sha256(path)}
 
 
+PROGRESS = "progress.json"
+
+
+@contextlib.contextmanager
+def exclusive(out_dir: Path):
+    """Hold ``out_dir/.lock`` (flock): one prepare writes a data directory at a time."""
+    import fcntl
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataError(f"another prepare is writing {out_dir}; wait for it or choose another "
+                            "--output-dir") from None
+        yield
+
+
+class ShardWriter:
+    """Streams records into shards of about ``shard_tokens`` tokens, written atomically; after each shard
+    ``progress.json`` records it, so a prepare interrupted at any point resumes after its last finished shard.
+
+    ``key`` names everything the shards depend on; a directory holding shards for another key is refused.
+    Shards close only at :meth:`boundary` calls (the caller's batch boundaries), so a resumed run starts on the
+    same batch as an uninterrupted one and writes the same bytes.
+    """
+
+    def __init__(self, out_dir: Path, key: str, shard_tokens: int, vocab_size: int):
+        self.out_dir, self.key, self.shard_tokens = Path(out_dir), key, shard_tokens
+        self.freqs = torch.zeros(vocab_size, dtype=torch.long)
+        self.entries: list[dict] = []
+        self.pending: list[dict[str, torch.Tensor]] = []
+        self.pending_tokens = 0
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._resume()
+
+    def _resume(self) -> None:
+        path = self.out_dir / PROGRESS
+        if not path.is_file():
+            if any(self.out_dir.glob("shard-*.safetensors")):
+                raise DataError(f"{self.out_dir} holds shards but no {PROGRESS}: choose an empty --output-dir")
+            return
+        state = json.loads(path.read_text())
+        if state.get("key") != self.key:
+            raise DataError(f"{self.out_dir} holds data prepared with other inputs or settings (key "
+                            f"{str(state.get('key'))[:12]}…, this run {self.key[:12]}…): choose another "
+                            "--output-dir or delete that one")
+        from safetensors import safe_open
+
+        for entry in state["shards"]:  # keep the finished shards that are intact; redo from the first that is not
+            f = self.out_dir / entry["file"]
+            if not f.is_file() or file_sha256(f) != entry["sha256"]:
+                break
+            with safe_open(str(f), framework="pt") as st:
+                ids, mask = st.get_tensor("input_ids"), st.get_tensor("loss_mask").bool()
+            self.freqs += torch.bincount(ids[mask], minlength=self.freqs.numel())
+            self.entries.append(entry)
+
+    @property
+    def done_samples(self) -> int:
+        return sum(e["samples"] for e in self.entries)
+
+    @property
+    def done_tokens(self) -> int:
+        return sum(e["tokens"] for e in self.entries)
+
+    def add(self, record: dict[str, torch.Tensor]) -> None:
+        self.freqs += torch.bincount(record["input_ids"][record["loss_mask"]], minlength=self.freqs.numel())
+        self.pending.append(record)
+        self.pending_tokens += record["input_ids"].numel()
+
+    def boundary(self, final: bool = False) -> None:
+        if self.pending and (final or self.pending_tokens >= self.shard_tokens):
+            entry = write_shard(self.out_dir / f"shard-{len(self.entries):05d}.safetensors", self.pending)
+            self.entries.append(entry)
+            self.pending, self.pending_tokens = [], 0
+            tmp = self.out_dir / (PROGRESS + ".tmp")
+            tmp.write_text(json.dumps({"key": self.key, "shards": self.entries}, indent=1))
+            os.replace(tmp, self.out_dir / PROGRESS)
+
+
 def data_digest(manifest: dict) -> str:
     """sha256 over what defines the data: verifier, layers, and every shard's bytes (via their sha256)."""
     key = {"verifier": manifest["verifier"], "aux_layer_ids": manifest["aux_layer_ids"],
@@ -73,8 +155,9 @@ def read_manifest(data_dir: Path) -> dict:
 
 @dataclass
 class PreparedData:
-    root: Path
+    root: Path  # manifest and token frequencies
     manifest: dict
+    shard_root: Path | None = None  # where the shards are: root, or the location the manifest names
 
     @property
     def digest(self) -> str:
@@ -91,7 +174,7 @@ class PreparedData:
 
         out = []
         for entry in self.manifest["shards"]:
-            path = self.root / entry["file"]
+            path = (self.shard_root or self.root) / entry["file"]
             if not path.is_file():
                 raise DataError(f"shard {path} is missing; prepare the data again or download it whole")
             try:
@@ -110,11 +193,29 @@ class PreparedData:
         return out
 
 
+def _shard_root(data_dir: Path, manifest: dict) -> Path:
+    names = [e["file"] for e in manifest["shards"]]
+    candidates = [data_dir] + ([Path(manifest["location"])] if manifest.get("location") else [])
+    for root in candidates:
+        if all((root / n).is_file() for n in names):
+            return root
+    where = f" nor at {manifest['location']}" if manifest.get("location") else ""
+    raise DataError(f"the shards of data {manifest.get('digest', '?')[:12]} are neither in {data_dir}{where}: "
+                    "prepare keeps shards where it wrote them and logs only their location, so run finetune "
+                    "where that path is mounted, or prepare with --log-shards to copy them into MLflow")
+
+
 def open_prepared(data_dir: Path, *, verify: bool = False) -> PreparedData:
+    """The prepared data at ``data_dir`` (its shards there, or where the manifest says prepare wrote them);
+    ``verify`` checks every shard against the sha256 the manifest (and so the data digest) names."""
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
+    shard_root = _shard_root(data_dir, manifest)
+    if data_digest(manifest) != manifest.get("digest"):
+        raise DataError(f"{data_dir / MANIFEST} does not match its own digest: it was edited; prepare again")
     if verify:
         for entry in manifest["shards"]:
-            if file_sha256(data_dir / entry["file"]) != entry["sha256"]:
-                raise DataError(f"shard {entry['file']} in {data_dir} does not match its manifest sha256")
-    return PreparedData(data_dir, manifest)
+            if file_sha256(shard_root / entry["file"]) != entry["sha256"]:
+                raise DataError(f"shard {entry['file']} in {shard_root} does not match the sha256 in its "
+                                "manifest: it changed after prepare; prepare the data again")
+    return PreparedData(data_dir, manifest, shard_root)

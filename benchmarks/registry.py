@@ -1,0 +1,130 @@
+"""registry: register -> pull of a drafter at the real scale through a local ``mlflow server`` with proxied
+artifacts, against MLflow's own ``log_artifacts`` / ``download_artifacts`` of the same bytes.
+
+The drafter is the random real-shape AQ-MedAI checkpoint of ``parent-load`` (~2.3 GB) plus a config, a card and
+lineage, i.e. what ``export`` uploads. Sides alternate in one run:
+
+- ``mlflow_upload``: ``mlflow.log_artifacts`` of the directory;
+- ``register``: draftline's upload (sha256 of every file computed while MLflow uploads, then ``checksums.json``)
+  and the creation of the model version, waiting until it is READY;
+- ``mlflow_download``: ``mlflow.artifacts.download_artifacts`` of the uploaded directory;
+- ``pull_cold``: ``draftline pull`` with an empty cache (hashing while the bytes arrive, verification included);
+- ``pull_warm``: the same pull again into another directory (a restarted pod): files come from the
+  content-addressed cache;
+- ``cp``: a local ``cp -r`` of the directory, for scale.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _export_dir(root: Path, shape: str) -> Path:
+    from benchmarks.common import drafter_config
+    from benchmarks.parent_load import write_checkpoint
+
+    d = write_checkpoint(shape, root / "drafter")
+    cfg = drafter_config(shape).to_dict()
+    cfg["speculators_config"]["verifier"]["name_or_path"] = "moonshotai/Kimi-K2.5"
+    (d / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    (d / "lineage.json").write_text(json.dumps({"parent.source": "AQ-MedAI/Kimi-K2-Instruct-eagle3"}) + "\n")
+    (d / "README.md").write_text("---\nbase_model: AQ-MedAI/Kimi-K2-Instruct-eagle3\n---\n# EAGLE-3 drafter\n")
+    return d
+
+
+def run(shape: str = "real", reps: int = 2) -> dict:
+    import os
+
+    import mlflow
+    from mlflow import MlflowClient
+
+    from draftline import registry
+    from draftline.export import CHECKSUMS, upload_with_checksums
+    from draftline.localserver import start_mlflow_server, stop
+
+    times: dict[str, list[float]] = {k: [] for k in
+                                     ("mlflow_upload", "register", "mlflow_download", "pull_cold", "pull_warm", "cp")}
+    with tempfile.TemporaryDirectory(prefix="draftline-bench-registry-", dir=os.environ.get("BENCH_TMP")) as tmp:
+        tmp = Path(tmp)
+        src = _export_dir(tmp, shape)
+        size = sum(p.stat().st_size for p in src.iterdir())
+        proc, uri = start_mlflow_server(tmp / "server")
+        os.environ["DRAFTLINE_CACHE_DIR"] = str(tmp / "cache")
+        try:
+            mlflow.set_tracking_uri(uri)
+            mlflow.set_experiment("bench-registry")
+            client = MlflowClient()
+            for rep in range(reps):
+                (src / CHECKSUMS).unlink(missing_ok=True)
+
+                def mlflow_upload():
+                    with mlflow.start_run() as r:
+                        mlflow.log_artifacts(str(src), "drafter")
+                    return r
+
+                def ours_register():
+                    with mlflow.start_run() as r:
+                        upload_with_checksums(src, "drafter")
+                        return registry.register(client, "bench-drafter", source=f"{r.info.artifact_uri}/drafter",
+                                                 run_id=r.info.run_id, tags={"bench": "1"}, description="benchmark")
+
+                holder: dict = {}
+                first = [("mlflow_upload", mlflow_upload), ("register", ours_register)]
+                for name, fn in (first if rep % 2 == 0 else first[::-1]):
+                    if name == "mlflow_upload":
+                        (src / CHECKSUMS).unlink(missing_ok=True)
+                    t = time.perf_counter()
+                    holder[name] = fn()
+                    times[name].append(time.perf_counter() - t)
+                base_uri = f"{holder['mlflow_upload'].info.artifact_uri}/drafter"
+                version = holder["register"].version
+
+                def mlflow_download():
+                    d = tmp / "dl-mlflow"
+                    d.mkdir()
+                    mlflow.artifacts.download_artifacts(artifact_uri=base_uri, dst_path=str(d))
+
+                def pull_cold():
+                    shutil.rmtree(tmp / "cache", ignore_errors=True)
+                    registry.pull(client, "bench-drafter", stage=None, alias=None, version=str(version),
+                                  dest=tmp / "dl-cold")
+
+                second = [("mlflow_download", mlflow_download), ("pull_cold", pull_cold)]
+                for name, fn in (second if rep % 2 == 0 else second[::-1]):
+                    times[name].append(_timed(fn))
+                times["pull_warm"].append(_timed(lambda: registry.pull(
+                    client, "bench-drafter", stage=None, alias=None, version=str(version), dest=tmp / "dl-warm")))
+                times["cp"].append(_timed(lambda: subprocess.run(["cp", "-r", str(src), str(tmp / "dl-cp")],
+                                                                 check=True)))
+                for d in ("dl-mlflow", "dl-cold", "dl-warm", "dl-cp"):
+                    shutil.rmtree(tmp / d, ignore_errors=True)
+        finally:
+            stop(proc)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "shape": shape,
+        "bytes": size,
+        "reps": reps,
+        "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
+        "summary": {
+            "register / mlflow_upload": round(med["register"] / med["mlflow_upload"], 3),
+            "pull_cold / mlflow_download": round(med["pull_cold"] / med["mlflow_download"], 3),
+            "pull_warm / pull_cold": round(med["pull_warm"] / med["pull_cold"], 4),
+            "mlflow_download / cp": round(med["mlflow_download"] / med["cp"], 2),
+            "mlflow_upload_MBps": round(size / med["mlflow_upload"] / 1e6, 1),
+            "mlflow_download_MBps": round(size / med["mlflow_download"] / 1e6, 1),
+            "targets": "register <= 1.1x upload; pull_cold <= 1.1x download; pull_warm <= 0.1x pull_cold",
+        },
+    }

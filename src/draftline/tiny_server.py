@@ -1,0 +1,189 @@
+"""A small OpenAI-compatible server (FastAPI + uvicorn) for a local Hugging Face causal LM directory.
+
+It stands in for ``vllm serve`` in tests and demos: ``GET /v1/models`` and ``POST /v1/chat/completions``
+(non-streaming, one choice). Failure injection exercises clients' retries: ``fail_every=N`` answers 503 to
+every Nth completion request, ``fail_after=K`` answers 503 to every completion request after K succeeded.
+
+    python -m draftline.tiny_server MODEL_DIR --port 8000 [--fail-every N] [--fail-after K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | None = None
+
+
+class ChatRequest(BaseModel):
+    """The subset of OpenAI's chat completion request the server honours (other keys are ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[_Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+
+
+@dataclass
+class ServerState:
+    """Counters and failure injection; tests may read and change them while the server runs."""
+
+    fail_every: int | None = None
+    fail_after: int | None = None
+    requests: int = 0  # completion requests received, failed ones included
+    completions: int = 0  # completion requests answered 200
+    failures: int = 0  # completion requests answered 503 on purpose
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+def create_app(model_dir: str | Path, *, served_model_name: str | None = None, fail_every: int | None = None,
+               fail_after: int | None = None, api_key: str | None = None, state: ServerState | None = None):
+    """The FastAPI app serving ``model_dir`` (weights + tokenizer with a chat template) on the CPU;
+    with ``api_key``, /v1 requests without ``Authorization: Bearer <api_key>`` get 401 (as vLLM's --api-key)."""
+    import torch
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = str(Path(model_dir).resolve())
+    name = served_model_name or model_dir
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    state = state or ServerState(fail_every=fail_every, fail_after=fail_after)
+    generate_lock = threading.Lock()  # one generation at a time, like one accelerator
+    created = int(time.time())
+    app = FastAPI(title="draftline tiny server")
+    app.state.draftline = state
+
+    def error(status: int, message: str, kind: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Any:
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            return error(401, "Unauthorized", "AuthenticationError")
+        return await call_next(request)
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "draftline", "root": model_dir}]}
+
+    @app.post("/v1/chat/completions", response_model=None)
+    def chat_completions(req: ChatRequest) -> Any:
+        with state.lock:
+            state.requests += 1
+            inject = bool((state.fail_every and state.requests % state.fail_every == 0)
+                          or (state.fail_after is not None and state.completions >= state.fail_after))
+            state.failures += int(inject)
+        if inject:
+            return error(503, "injected failure (tiny server failure injection)", "ServiceUnavailable")
+        if req.model != name:
+            return error(404, f"The model `{req.model}` does not exist.", "NotFoundError")
+        if req.stream:
+            return error(400, "streaming is not supported by the tiny server", "BadRequestError")
+        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+        max_new = req.max_completion_tokens or req.max_tokens or 16
+        sample = req.temperature > 0
+        kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=max_new, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id)
+        if sample:
+            kwargs.update(temperature=req.temperature, top_p=req.top_p, top_k=0)
+        with generate_lock, torch.no_grad():
+            if sample and req.seed is not None:
+                torch.manual_seed(req.seed)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)[0, ids.shape[1]:].tolist()
+        stopped = bool(out) and out[-1] == tokenizer.eos_token_id
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        with state.lock:
+            state.completions += 1
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": "stop" if stopped else "length"}],
+            "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(out),
+                      "total_tokens": ids.shape[1] + len(out)},
+        }
+
+    return app
+
+
+@dataclass
+class RunningServer:
+    url: str  # the OpenAI base URL, e.g. http://127.0.0.1:PORT/v1
+    model: str
+    state: ServerState
+
+
+@contextlib.contextmanager
+def serve_in_thread(model_dir: str | Path, *, served_model_name: str | None = None, fail_every: int | None = None,
+                    fail_after: int | None = None, api_key: str | None = None, host: str = "127.0.0.1",
+                    port: int = 0) -> Iterator[RunningServer]:
+    """Serve ``model_dir`` from a background thread on a free loopback port; stops on exit."""
+    import uvicorn
+
+    state = ServerState(fail_every=fail_every, fail_after=fail_after)
+    app = create_app(model_dir, served_model_name=served_model_name, api_key=api_key, state=state)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tiny-server", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the tiny server for {model_dir} did not start")
+            time.sleep(0.02)
+        bound = sock.getsockname()
+        name = served_model_name or str(Path(model_dir).resolve())
+        yield RunningServer(url=f"http://{bound[0]}:{bound[1]}/v1", model=name, state=state)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m draftline.tiny_server", description=__doc__.splitlines()[0])
+    p.add_argument("model_dir", help="Hugging Face causal LM directory (weights + tokenizer with a chat template).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="Model id to serve (default: the directory).")
+    p.add_argument("--fail-every", type=int, default=None, help="Answer 503 to every Nth completion request.")
+    p.add_argument("--fail-after", type=int, default=None, help="Answer 503 once K completions succeeded.")
+    p.add_argument("--api-key", default=None, help="Require this bearer key (default: none).")
+    args = p.parse_args(argv)
+    import uvicorn
+
+    app = create_app(args.model_dir, served_model_name=args.served_model_name, fail_every=args.fail_every,
+                     fail_after=args.fail_after, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()
