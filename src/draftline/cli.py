@@ -124,6 +124,8 @@ def cli(verbose: bool):
     Tracking:  MLFLOW_TRACKING_URI (default: sqlite:///$PWD/mlflow.db); experiment: DRAFTLINE_EXPERIMENT
     """
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(message)s")
+    for chatty in ("httpx", "httpcore", "urllib3"):  # one line per HTTP request otherwise
+        logging.getLogger(chatty).setLevel(logging.DEBUG if verbose else logging.WARNING)
 
 
 @cli.command("make-tiny")
@@ -232,9 +234,15 @@ def promote(name, version, stage, policy_file, dry_run):
 @click.option("--version", "version", default=None, help="Pull this version number.")
 @click.option("--dest", type=click.Path(file_okay=False), required=True, help="Directory to download into.")
 @click.option("--verifier", default=None, help="Refuse the version unless it was trained for this verifier.")
+@click.option("--no-cache", is_flag=True, help="Download every file even if the local cache holds it "
+              "($DRAFTLINE_CACHE_DIR, default ~/.cache/draftline).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def pull(name, stage, alias, version, dest, verifier, as_json):
-    """Download a registered drafter, verify every file against its checksums, print the vLLM command."""
+def pull(name, stage, alias, version, dest, verifier, no_cache, as_json):
+    """Download a registered drafter, verify every file against its checksums, print the vLLM command.
+
+    Files are hashed while they arrive; files already in the local content-addressed cache (same sha256)
+    are hard-linked instead of downloaded, so a restarted pod or a version sharing files costs nothing.
+    DEST receives the complete verified directory or is left as it was."""
     from mlflow import MlflowClient
 
     from draftline import registry, tracking
@@ -242,11 +250,14 @@ def pull(name, stage, alias, version, dest, verifier, as_json):
     with _stdout_to_stderr():
         tracking.setup()
         out = registry.pull(MlflowClient(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
-                            verifier=verifier)
+                            verifier=verifier, use_cache=not no_cache)
     if as_json:
         click.echo(json.dumps(out, indent=2))
     else:
-        click.echo(f"pulled models:/{name}/{out['version']} into {out['path']} (checksums verified)\n{out['command']}")
+        mib = 1 << 20
+        click.echo(f"pulled models:/{name}/{out['version']} into {out['path']} (checksums verified; "
+                   f"{out['downloaded_bytes'] / mib:.1f} MiB downloaded, {out['cached_bytes'] / mib:.1f} MiB "
+                   f"from the cache)\n{out['command']}")
 
 
 @cli.command()
@@ -277,6 +288,40 @@ def inspect(target, allow_pickle):
     from draftline.inspect import describe
 
     _result(describe, target, allow_pickle=allow_pickle)
+
+
+@cli.command()
+@click.option("--drafter", default=None, type=click.Path(exists=True),
+              help="Drafter directory or its config.json (speculators or SpecForge layout) "
+                   "[default: the real Kimi-K2 EAGLE-3 drafter's shape].")
+@click.option("--gpus", type=click.IntRange(1), default=8, show_default=True, help="GPUs per node.")
+@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--gpu-memory-gib", type=click.FloatRange(0, min_open=True), default=180.0, show_default=True,
+              help="Memory per GPU (180: B200).")
+@click.option("--tokens-per-batch", type=click.IntRange(1), default=4096, show_default=True,
+              help="Packed tokens per rank per step.")
+@click.option("--ttt-steps", type=click.IntRange(1, 16), default=3, show_default=True)
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--attn-impl", type=click.Choice(["sdpa", "eager", "simple_flex_attention"]), default="sdpa",
+              show_default=True)
+@click.option("--margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
+              help="Share of GPU memory kept free for what is not modelled (CUDA context, NCCL, fragmentation).")
+@click.option("--zero-stage", type=click.IntRange(0, 3), default=None,
+              help="The stage you will train with: exit 1 when it does not fit.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def plan(drafter, gpus, nodes, gpu_memory_gib, tokens_per_batch, ttt_steps, precision, attn_impl, margin,
+         zero_stage, as_json):
+    """GPU memory per ZeRO stage for finetuning a drafter: exact parameter counts (meta device), DeepSpeed's
+    model-state estimators, an activation estimate, and whether each stage fits."""
+    from draftline import plan as planning
+
+    with _stdout_to_stderr():
+        out = planning.make_plan(drafter, gpus=gpus, nodes=nodes, gpu_memory_gib=gpu_memory_gib,
+                                 tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps, precision=precision,
+                                 attn_impl=attn_impl, margin=margin, zero_stage=zero_stage)
+    click.echo(json.dumps(out, indent=2) if as_json else planning.render(out))
+    if zero_stage is not None:
+        planning.check(out, zero_stage)
 
 
 def main() -> None:

@@ -7,9 +7,14 @@ it fails, it is deleted again. Promotion sets the stage (archiving the previous 
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
+import logging
+import os
+import random
 import re
+import socket
 import shlex
 import time
 from datetime import datetime, timezone
@@ -18,6 +23,7 @@ from pathlib import Path
 from draftline.errors import RegistryError, VerificationError
 
 STAGES = ("Staging", "Production", "Archived", "None")
+log = logging.getLogger(__name__)
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/@]+)|@(?P<alias>[^/@]+))/?$")
 
 
@@ -117,30 +123,77 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
         mv = client.get_model_version(name, version)
     except Exception as e:  # noqa: BLE001
         raise RegistryError(f"models:/{name}/{version} does not exist: {_mlflow_error(e)}") from None
-    results = evaluate(policy, mv, current=_holder(client, name, "Production"), parent=_parent_version(client, mv))
-    failed = [r for r in results if not r.passed]
-    if failed:
-        raise RegistryError(f"models:/{name}/{version} does not meet {policy_file.name}; nothing changed:\n"
-                            + format_results(results))
+
+    def check():
+        results = evaluate(policy, mv, current=_holder(client, name, "Production"),
+                           parent=_parent_version(client, mv))
+        if any(not r.passed for r in results):
+            raise RegistryError(f"models:/{name}/{version} does not meet {policy_file.name}; nothing changed:\n"
+                                + format_results(results))
+        return results
+
     if dry_run:
-        return results, mv
+        return check(), mv
     try:
-        # tags first: the transition must be this version's newest update (see _converge)
-        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        for k, v in {f"promoted.{stage.lower()}.by": getpass.getuser(), f"promoted.{stage.lower()}.at": now,
-                     f"promoted.{stage.lower()}.policy": policy_file.name}.items():
-            client.set_model_version_tag(name, version, k, v)
-        client.transition_model_version_stage(name, version, stage, archive_existing_versions=True)
-        _converge(client, name, stage)
+        with promotion_lock(client, name):
+            results = check()  # against the holder as it is now, with no other promotion in between
+            # tags first: the transition must be this version's newest update (see _converge)
+            now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            for k, v in {f"promoted.{stage.lower()}.by": getpass.getuser(), f"promoted.{stage.lower()}.at": now,
+                         f"promoted.{stage.lower()}.policy": policy_file.name}.items():
+                client.set_model_version_tag(name, version, k, v)
+            client.transition_model_version_stage(name, version, stage, archive_existing_versions=True)
+            _converge(client, name, stage)
+    except RegistryError:
+        raise
     except Exception as e:  # noqa: BLE001
         if _denied(e):
-            import os
-
             user = os.environ.get("MLFLOW_TRACKING_USERNAME", "this user")
             raise RegistryError(f"permission denied: {user} may read {name} but not change its stages; ask an "
                                 f"MLflow admin for EDIT permission on registered model {name}") from None
         raise RegistryError(f"cannot promote models:/{name}/{version} to {stage}: {_mlflow_error(e)}") from None
     return results, client.get_model_version(name, version)
+
+
+LOCK_SUFFIX = "--draftline-promotion-lock"
+
+
+@contextlib.contextmanager
+def promotion_lock(client, name: str, timeout_s: float = 120.0):
+    """Serialise promotions of ``name``: the registry's own unique names are the mutex (creating the
+    registered model ``<name>--draftline-promotion-lock`` succeeds for exactly one promoter at a time; it is
+    deleted when the promotion ends). MLflow applies one transition (archive the old holder, set the new one)
+    in one database transaction, so with promotions serialised no reader ever sees two holders."""
+    lock = name + LOCK_SUFFIX
+    owner = f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}"
+    deadline, delay = time.monotonic() + timeout_s, 0.05
+    while True:
+        try:
+            client.create_registered_model(lock, tags={"owner": owner, "since": datetime.now(timezone.utc).isoformat(
+                timespec="seconds")}, description=f"draftline: a promotion of {name} is in progress")
+            break
+        except Exception as e:  # noqa: BLE001
+            if getattr(e, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+                raise
+            if time.monotonic() > deadline:
+                try:
+                    held = client.get_registered_model(lock).tags
+                except Exception:  # noqa: BLE001
+                    held = {}
+                raise RegistryError(
+                    f"another promotion of {name} has held {lock} since {held.get('since', '?')} "
+                    f"({held.get('owner', '?')}); if none is running (a promoter was killed), delete the "
+                    f"registered model {lock} and promote again") from None
+            time.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 1.0)
+    try:
+        yield
+    finally:
+        try:
+            client.delete_registered_model(lock)
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not delete the promotion lock %s (%s); delete it before the next promotion",
+                        lock, _mlflow_error(e))
 
 
 def _converge(client, name: str, stage: str, rounds: int = 20):

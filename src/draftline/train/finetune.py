@@ -13,12 +13,8 @@ from pathlib import Path
 
 import torch
 
-from draftline.config import FinetuneConfig
+from draftline.config import FinetuneConfig, work_dir
 from draftline.errors import CheckpointError, DataError
-
-
-def work_dir() -> Path:
-    return Path(os.environ.get("DRAFTLINE_WORK", "work")).resolve()
 
 
 def resolve_data(ref: str, dest: Path) -> Path:
@@ -60,6 +56,23 @@ def ds_config(cfg: FinetuneConfig) -> dict:
         "warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr, "warmup_num_steps": warmup,
         "total_num_steps": max(cfg.steps, warmup + 1), "warmup_type": "linear"}}
     return conf
+
+
+def check_parent_fits_data(name: str, header: dict, manifest: dict) -> None:
+    """Refuse, before any rank starts, data prepared with a verifier of another shape than the parent's."""
+    theirs = {}
+    if "fc.weight" in header:
+        theirs["hidden size"] = header["fc.weight"][0][0]
+    if "t2d" in header:
+        theirs["vocabulary"] = header["t2d"][0][0]
+    ours = {"hidden size": manifest["hidden_size"], "vocabulary": manifest["vocab_size"]}
+    wrong = [k for k in theirs if theirs[k] != ours[k]]
+    if wrong:
+        got = ", ".join(f"{k} {theirs[k]}" for k in wrong)
+        want = ", ".join(f"{k} {ours[k]}" for k in wrong)
+        raise DataError(f"parent {name} was trained for a verifier with {got}, but the data was prepared with "
+                        f"{manifest.get('verifier_name') or manifest['verifier']} ({want}): prepare the data with "
+                        "the parent's verifier, or choose a parent made for this one")
 
 
 def parent_aux_layers(config: dict) -> list[int] | None:
@@ -132,6 +145,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     from safetensors.torch import save_file
 
     from draftline import lineage, tracking
+    from draftline import plan as memory_plan
     from draftline.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
     from draftline.data.shards import open_prepared
     from draftline.parents import resolve_init
@@ -152,7 +166,9 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
         files, layout, sha, key_remap = None, "none", "none", "none"
         if not parent.is_random:
             files = find_checkpoint(parent.path, allow_pickle=cfg.allow_pickle)
-            layout = detect_layout(read_header(files))
+            header = read_header(files)
+            layout = detect_layout(header)
+            check_parent_fits_data(parent.name, header, manifest)
             key_remap = "midlayer.->layers.0." if layout == "midlayer" else "none"
             sha = sha256_files(files.weights)
             p_aux = parent_aux_layers(files.config)
@@ -199,6 +215,8 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             "ds_config": ds_config(cfg), "checkpoint_dir": str(ckpt_dir),
             "load_report": str(work / "parent_load_report.json"), "error_file": str(work / "rank_error.json"),
         }
+        memory_plan.record(cfg, ranks, on_cpu, manifest["verifier"], counts["draft_size"], manifest["aux_layer_ids"],
+                           run_id)  # prints the plan, logs plan.json and plan.fits
         launch(spec, work / "worker_spec.json", ranks=ranks, on_cpu=on_cpu, hostfile=cfg.hostfile)
 
         meta = lineage.training_metadata(params, counts, extra={"finetune_run_id": run_id,

@@ -1,0 +1,170 @@
+"""``draftline plan``: exact parameter counts on the meta device, DeepSpeed's estimators per ZeRO stage, the
+activation estimate against what autograd really keeps, the fit verdict, the CLI and finetune's hook."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from draftline import plan
+from draftline.cli import cli
+
+GIB = 1 << 30
+# The Kimi-K2 drafter, by hand: hidden 7168, 64 heads x 128, intermediate 18432, 3 aux layers, vocab 163840/32000
+H, Q, I, V, DV = 7168, 64 * 128, 18432, 163840, 32000
+TRAINABLE = H * 3 * H + 3 * Q * 2 * H + H * Q + 3 * H * I + 4 * H  # fc, q/k/v, o, mlp, 3 layer norms + norm
+FROZEN = V * H + DV * H + DV * H + H  # embed_tokens, lm_head, verifier_lm_head, verifier_norm
+
+
+@pytest.fixture(scope="module")
+def kimi() -> dict:
+    return plan.make_plan(gpu_memory_gib=None)
+
+
+def test_kimi_k2_counts_are_exact(kimi):
+    assert kimi["trainable"] == TRAINABLE == 961_572_864
+    assert kimi["frozen"] == FROZEN == 1_633_164_288
+    assert kimi["params"] == TRAINABLE + FROZEN == 2_594_737_152
+    assert kimi["frozen_names"] == ["embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm"]
+    assert kimi["largest_layer"] == {"name": "fc", "params": H * 3 * H}
+    assert kimi["largest_frozen_layer"] == {"name": "embed_tokens", "params": V * H}
+    json.dumps(kimi)
+
+
+def test_stages_on_8_gpus_follow_deepspeed(kimi):
+    s = {int(k): v for k, v in kimi["stages"].items()}
+    p, n = TRAINABLE, 8
+    assert s[2]["model_states"] == 2 * p + 18 * p // n  # DeepSpeed's stage-2 estimator, no offload
+    assert s[3]["model_states"] == 4 * H * 3 * H + 18 * p // n  # stage 3: 4 x largest layer + 18P/N
+    assert s[1]["model_states"] == 4 * p + 16 * p // n
+    assert s[3]["model_states"] < s[2]["model_states"] < s[1]["model_states"] < s[0]["model_states"]
+    per_gpu = [s[k]["model_states"] + s[k]["frozen"] for k in (3, 2, 1)]
+    assert per_gpu == sorted(per_gpu) and len(set(per_gpu)) == 3
+    buffers = s[2]["frozen"] - 2 * FROZEN  # frozen: bf16 on every GPU, plus the t2d/d2t/rotary buffers
+    assert V + 8 * DV <= buffers < V + 8 * DV + 4096
+    assert s[3]["frozen"] == 2 * FROZEN // n + 2 * V * H + buffers  # partitioned; the embedding gathered
+    assert all(v["fits"] is None for v in s.values()) and kimi["budget_bytes"] is None
+    assert "SW: Model with 961M total params, 154M largest layer params" in kimi["deepspeed_estimators"]
+
+
+def test_fits_on_8_b200_and_not_on_small_gpus():
+    big = plan.make_plan(gpus=8, gpu_memory_gib=180, zero_stage=2)
+    assert big["fits"] is True and all(s["fits"] for s in big["stages"].values())
+    assert plan.fit_error(big, 2) is None
+    small = plan.make_plan(gpus=8, gpu_memory_gib=8, zero_stage=3)
+    assert small["fits"] is False and not any(s["fits"] for s in small["stages"].values())
+    msg = plan.fit_error(small, 3)
+    assert msg.startswith("ZeRO-3 does not fit") and "--tokens-per-batch" in msg
+    tokens = small["stages"]["3"]["max_tokens_per_batch"]  # the suggested batch does fit
+    assert plan.make_plan(gpus=8, gpu_memory_gib=8, tokens_per_batch=tokens)["stages"]["3"]["fits"]
+    assert not plan.make_plan(gpus=8, gpu_memory_gib=8, tokens_per_batch=tokens + 64)["stages"]["3"]["fits"]
+
+
+def test_message_offers_a_higher_stage_and_more_gpus(kimi):
+    one, three = kimi["stages"]["1"]["total"], kimi["stages"]["3"]["total"]
+    mem = (one + three) / 2 / GIB / 0.9  # ZeRO-3 fits, ZeRO-1 does not
+    p = plan.make_plan(gpus=8, gpu_memory_gib=mem)
+    assert not p["stages"]["1"]["fits"] and p["stages"]["3"]["fits"]
+    msg = plan.fit_error(p, 1)
+    assert msg.startswith("ZeRO-1 does not fit") and any(f"--zero-stage {k}" in msg for k in (2, 3))
+    assert "more GPUs" in msg and p["stages"]["1"]["min_gpus"] > 8
+
+
+def test_activation_estimate_matches_what_autograd_saves():
+    """The estimate's saved part against the tensors autograd keeps for a scaled-down drafter (sdpa, CPU)."""
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from draftline.train.model import loss_config
+
+    h, v, dv, t, k = 256, 4096, 1024, 256, 3
+    shape = dict(hidden_size=h, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 vocab_size=v)
+    cfg = plan.llama_drafter_config(shape, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
+    est = plan.activation_bytes(plan.count_params(cfg)["shape"], t, k, "bf16", "sdpa")
+    cfg.transformer_layer_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(cfg)
+    ids = torch.arange(dv) * (v // dv)
+    model.load_vocab_mappings(torch.zeros(v, dtype=torch.bool).index_fill_(0, ids, True), ids - torch.arange(dv))
+    model = model.to(torch.bfloat16)
+    batch = {"input_ids": torch.randint(0, v, (1, t)), "loss_mask": torch.ones(1, t, dtype=torch.bool),
+             "hidden_states": torch.randn(1, t, 3 * h).bfloat16(),
+             "verifier_last_hidden_states": torch.randn(1, t, h).bfloat16(),
+             "position_ids": torch.arange(t).unsqueeze(0), "document_ids": torch.zeros(1, t, dtype=torch.long)}
+    skip = {p.data_ptr() for p in model.parameters()} | {b.data_ptr() for b in model.buffers()}
+    saved: dict[int, int] = {}
+
+    def keep(x):
+        st = x.untyped_storage()
+        if st.data_ptr() not in skip:
+            saved[st.data_ptr()] = st.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+        model(**batch, ttt_steps=k, loss_config=loss_config())
+    # alive but not saved for the backward: transient, verifier hidden state, target logits, the K/V cache (2 heads)
+    alive_not_saved = t * (est["transient"] + 2 * (h + dv) + 2 * 2 * (2 * 64) * k)
+    assert sum(saved.values()) == pytest.approx(est["bytes"] - alive_not_saved, rel=0.01)
+
+
+def test_configs_from_disk_speculators_and_specforge(tmp_path, kimi):
+    spec_dir = tmp_path / "speculators"
+    plan.default_config().save_pretrained(str(spec_dir))
+    from_dir = plan.make_plan(spec_dir, gpu_memory_gib=None)
+    assert (from_dir["params"], from_dir["trainable"]) == (kimi["params"], kimi["trainable"])
+    specforge = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+                 "intermediate_size": I, "num_attention_heads": 64, "num_key_value_heads": 64, "head_dim": 128,
+                 "num_hidden_layers": 1, "vocab_size": V, "draft_vocab_size": DV, "rms_norm_eps": 1e-5,
+                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}}
+    (tmp_path / "aq.json").write_text(json.dumps(specforge))
+    assert plan.make_plan(tmp_path / "aq.json", gpu_memory_gib=None)["params"] == kimi["params"]
+    (tmp_path / "other.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(plan.ConfigError, match="neither a speculators EAGLE-3 config"):
+        plan.make_plan(tmp_path / "other.json")
+
+
+@pytest.fixture()
+def run():
+    runner = CliRunner()
+    return lambda *args: runner.invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_cli_json_parses(run):
+    r = run("plan", "--json", "--gpus", "4")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["params"] == TRAINABLE + FROZEN and out["gpus_per_node"] == 4 and set(out["stages"]) == {"0", "1",
+                                                                                                        "2", "3"}
+
+
+def test_cli_table_and_exit_1_when_the_chosen_stage_does_not_fit(run):
+    ok = run("plan", "--zero-stage", "2")
+    assert ok.exit_code == 0 and "ZeRO-2" in ok.stdout and "<- chosen" in ok.stdout
+    r = run("plan", "--gpu-memory-gib", "8", "--zero-stage", "2")
+    assert r.exit_code == 1
+    assert "error: ZeRO-2 does not fit" in r.stderr and "--tokens-per-batch" in r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_finetune_hook_logs_plan_json_and_fits(tmp_path, monkeypatch):
+    """CPU run: the fit is not checked; plan.json and plan.fits=unchecked land on the run."""
+    import mlflow
+    from transformers import LlamaConfig
+
+    from draftline.config import FinetuneConfig
+
+    verifier = tmp_path / "verifier"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=6, vocab_size=512).save_pretrained(str(verifier))
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = FinetuneConfig(data=str(tmp_path), gpus=2, zero_stage=3, tokens_per_batch=256)
+    with mlflow.start_run() as active:
+        plan.record(cfg, 2, True, str(verifier), 128, [1, 3, 4], active.info.run_id)
+        plan.record(cfg, 2, True, str(verifier), 128, [1, 3, 4], active.info.run_id)  # a resume: no clash
+    got = mlflow.artifacts.load_dict(f"runs:/{active.info.run_id}/plan.json")
+    assert got["zero_stage"] == 3 and got["gpus_per_node"] == 2 and got["fits"] is None
+    assert got["shape"]["hidden_size"] == 64 and got["shape"]["draft_vocab_size"] == 128
+    assert mlflow.get_run(active.info.run_id).data.params["plan.fits"] == "unchecked"
