@@ -7,9 +7,10 @@ import torch
 SHAPES = {
     # hidden, intermediate, heads, kv heads, target vocab, draft vocab
     "tiny": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=1024, draft_vocab_size=256),
+                 head_dim=32, vocab_size=1024, draft_vocab_size=256),
+    # AQ-MedAI/Kimi-K2-Instruct-eagle3's config.json: head_dim 128 (not hidden / heads = 112)
     "real": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
-                 vocab_size=163840, draft_vocab_size=32000),
+                 head_dim=128, vocab_size=163840, draft_vocab_size=32000),
 }
 AUX = [2, 30, 58]
 
@@ -22,8 +23,7 @@ def drafter_config(shape: str):
 
     s = dict(SHAPES[shape])
     draft = s.pop("draft_vocab_size")
-    layer = LlamaConfig(num_hidden_layers=1, head_dim=s["hidden_size"] // s["num_attention_heads"],
-                        rope_theta=1e6, max_position_embeddings=8192, rms_norm_eps=1e-5, **s)
+    layer = LlamaConfig(num_hidden_layers=1, rope_theta=1e6, max_position_embeddings=8192, rms_norm_eps=1e-5, **s)
     layer._attn_implementation = "sdpa"  # noqa: SLF001
     return Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=draft, norm_before_residual=False,

@@ -24,7 +24,7 @@ from benchmarks.common import SHAPES
 def aq_medai_state(shape: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     s = SHAPES[shape]
     h, inter, heads, kv = s["hidden_size"], s["intermediate_size"], s["num_attention_heads"], s["num_key_value_heads"]
-    hd = h // heads
+    hd = s["head_dim"]
     return {
         "midlayer.self_attn.q_proj.weight": ((heads * hd, 2 * h), torch.bfloat16),
         "midlayer.self_attn.k_proj.weight": ((kv * hd, 2 * h), torch.bfloat16),

@@ -33,6 +33,12 @@ class PrepareConfig(_Strict):
     output_dir: str | None = Field(None, description="Where the shards are written and stay (shared storage "
                                    "for a cluster; default $DRAFTLINE_WORK/prepared/<key>). A rerun with the "
                                    "same inputs and settings resumes there after the last finished shard.")
+    capture_backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="Who computes the hidden states: transformers in this process, or a vLLM "
+        "server with speculators' hidden-state extraction (GPU cluster; --capture-endpoint).")
+    capture_endpoint: str | None = Field(None, description="vLLM base URL for capture_backend=vllm "
+                                                           "(e.g. http://127.0.0.1:8000/v1).")
+    capture_model: str | None = Field(None, description="Model name the vLLM server serves (default: the verifier).")
     log_shards: bool = Field(False, description="Also copy the shards into the MLflow artifact store (by "
                                                 "default the run logs their location and sha256s only).")
     regenerate_endpoint: str | None = Field(None, description="OpenAI-compatible base URL serving the verifier "

@@ -91,15 +91,17 @@ def default_config():
                           aux_layer_ids=KIMI_K2["aux_layer_ids"])
 
 
-def verifier_config(verifier: str, *, draft_vocab_size: int, aux_layer_ids: list[int]):
-    """The drafter ``draftline.train.model.build_draft_model`` trains: the verifier's own layer config with one
-    layer (its config.json alone is read; no weights)."""
+def verifier_config(verifier: str, *, draft_vocab_size: int, aux_layer_ids: list[int], layer: dict | None = None):
+    """The drafter finetune trains: the decoder layer of :func:`draftline.train.model.layer_config` (the
+    verifier's own for Llama/Qwen3 verifiers, else a Llama layer) around the verifier (config.json only)."""
     from transformers import AutoConfig
 
+    from draftline.train.model import layer_config
+
     vc = AutoConfig.from_pretrained(verifier)
-    layer = copy.deepcopy(getattr(vc, "text_config", vc))
-    layer.num_hidden_layers = 1
-    return _speculator_config(layer, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
+    fields = dict(layer or layer_config(verifier))
+    layer_cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return _speculator_config(layer_cfg, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
                               verifier=verifier, architectures=vc.architectures)
 
 
@@ -400,7 +402,7 @@ def hostfile_shape(path: str) -> tuple[int, int]:
 
 
 def record(cfg, ranks: int, on_cpu: bool, verifier: str, draft_vocab_size: int, aux_layer_ids: list[int],
-           run_id: str) -> None:
+           run_id: str, layer: dict | None = None) -> None:
     """Finetune's hook: plan the run about to launch, print it to stderr, log ``plan.json`` and the param
     ``plan.fits`` (true | false | unchecked, without a GPU | error). Never stops the launch."""
     import mlflow
@@ -409,7 +411,8 @@ def record(cfg, ranks: int, on_cpu: bool, verifier: str, draft_vocab_size: int, 
 
     try:
         gpus, nodes = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, 1)
-        config = verifier_config(verifier, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids)
+        config = verifier_config(verifier, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
+                                 layer=layer)
         plan = make_plan(config, gpus=gpus, nodes=nodes, gpu_memory_gib=None if on_cpu else gpu_memory_gib(),
                          tokens_per_batch=cfg.tokens_per_batch, ttt_steps=cfg.ttt_steps, precision=cfg.precision,
                          attn_impl=cfg.attn_impl, zero_stage=cfg.zero_stage,

@@ -1,7 +1,10 @@
 """A small OpenAI-compatible server (FastAPI + uvicorn) for a local Hugging Face causal LM directory.
 
 It stands in for ``vllm serve`` in tests and demos: ``GET /v1/models`` and ``POST /v1/chat/completions``
-(non-streaming, one choice). Failure injection exercises clients' retries: ``fail_every=N`` answers 503 to
+(non-streaming, one choice). With ``hidden_states_dir`` it also answers ``POST /v1/completions`` with
+``max_tokens=1`` the way vLLM does under speculators' hidden-state extraction (it writes ``hs_<id>.safetensors``
+with ``token_ids`` and ``hidden_states`` [T, aux + 1, H] and returns the path in ``kv_transfer_params``): an
+emulation for testing draftline's vLLM capture backend, computed with transformers. Failure injection exercises clients' retries: ``fail_every=N`` answers 503 to
 every Nth completion request, ``fail_after=K`` answers 503 to every completion request after K succeeded.
 
     python -m draftline.tiny_server MODEL_DIR --port 8000 [--fail-every N] [--fail-after K]
@@ -27,6 +30,13 @@ class _Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | None = None
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    prompt: list[int] = Field(min_length=1)
+    max_tokens: int | None = None
 
 
 class ChatRequest(BaseModel):
@@ -57,7 +67,8 @@ class ServerState:
 
 
 def create_app(model_dir: str | Path, *, served_model_name: str | None = None, fail_every: int | None = None,
-               fail_after: int | None = None, api_key: str | None = None, state: ServerState | None = None):
+               fail_after: int | None = None, api_key: str | None = None, state: ServerState | None = None,
+               hidden_states_dir: str | Path | None = None, aux_layer_ids: list[int] | None = None):
     """The FastAPI app serving ``model_dir`` (weights + tokenizer with a chat template) on the CPU;
     with ``api_key``, /v1 requests without ``Authorization: Bearer <api_key>`` get 401 (as vLLM's --api-key)."""
     import torch
@@ -128,7 +139,39 @@ def create_app(model_dir: str | Path, *, served_model_name: str | None = None, f
                       "total_tokens": ids.shape[1] + len(out)},
         }
 
+    if hidden_states_dir is not None:
+        _add_hidden_state_extraction(app, model, name, Path(hidden_states_dir), list(aux_layer_ids or []),
+                                     generate_lock, error)
     return app
+
+
+def _add_hidden_state_extraction(app, model, name: str, out: Path, aux: list[int], generate_lock, error) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from draftline.data.capture import iter_hidden_states
+    from draftline.data.tokenize import TokenizedSample
+
+    out.mkdir(parents=True, exist_ok=True)
+
+    @app.post("/v1/completions", response_model=None)
+    def completions(req: CompletionRequest) -> Any:
+        if req.model != name:
+            return error(404, f"The model `{req.model}` does not exist.", "NotFoundError")
+        sample = TokenizedSample("request", list(req.prompt), [1] * len(req.prompt))
+        with generate_lock:
+            rec = next(iter_hidden_states(model, [sample], aux, 1))
+        h = rec["verifier_last_hidden_states"].shape[-1]
+        hs = torch.cat([rec["hidden_states"].view(len(req.prompt), len(aux), h),
+                        rec["verifier_last_hidden_states"].unsqueeze(1)], dim=1)
+        path = out / f"hs_{uuid.uuid4().hex}.safetensors"
+        save_file({"token_ids": rec["input_ids"], "hidden_states": hs.contiguous()}, str(path))
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": name, "kv_transfer_params": {"hidden_states_path": str(path)},
+                "choices": [{"index": 0, "text": "", "finish_reason": "length", "logprobs": None,
+                             "prompt_token_ids": list(req.prompt)}],
+                "usage": {"prompt_tokens": len(req.prompt), "completion_tokens": 1,
+                          "total_tokens": len(req.prompt) + 1}}
 
 
 @dataclass
@@ -141,12 +184,12 @@ class RunningServer:
 @contextlib.contextmanager
 def serve_in_thread(model_dir: str | Path, *, served_model_name: str | None = None, fail_every: int | None = None,
                     fail_after: int | None = None, api_key: str | None = None, host: str = "127.0.0.1",
-                    port: int = 0) -> Iterator[RunningServer]:
+                    port: int = 0, **extraction: Any) -> Iterator[RunningServer]:
     """Serve ``model_dir`` from a background thread on a free loopback port; stops on exit."""
     import uvicorn
 
     state = ServerState(fail_every=fail_every, fail_after=fail_after)
-    app = create_app(model_dir, served_model_name=served_model_name, api_key=api_key, state=state)
+    app = create_app(model_dir, served_model_name=served_model_name, api_key=api_key, state=state, **extraction)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

@@ -26,3 +26,20 @@ def test_budget_ranks_and_resume():
     assert [x for pair in zip(r0, r1) for x in pair] == one[:20]  # ranks interleave the global sequence
     assert _ids(batches(recs, 120, seed=3, start_step=13), 5) == one[13:18]  # resume
     assert _ids(batches(recs, 120, seed=4), 5) != one[:5]
+
+
+def test_prefetch_keeps_order_and_raises_the_producers_error():
+    import pytest
+
+    from draftline.train.batches import prefetch
+
+    assert list(prefetch(iter(range(10)), depth=2)) == list(range(10))
+
+    def broken():
+        yield 1
+        raise ValueError("shard 3 is unreadable")
+
+    out = prefetch(broken())
+    assert next(out) == 1
+    with pytest.raises(ValueError, match="shard 3 is unreadable"):
+        next(out)

@@ -65,7 +65,8 @@ def prepare_key(cfg: PrepareConfig) -> str:
     """sha256 naming everything the shards depend on: the input's bytes, the verifier, the settings."""
     from draftline.data.conversations import source_digest
 
-    fields = cfg.model_dump(exclude={"name", "output_dir", "log_shards", "regenerate_concurrency"})
+    fields = cfg.model_dump(exclude={"name", "output_dir", "log_shards", "regenerate_concurrency",
+                                     "capture_endpoint"})
     fields.update(conversations=source_digest(cfg.conversations),
                   verifier=verifier_fingerprint(resolve_verifier(cfg.verifier)),
                   format_version=shards.FORMAT_VERSION)
@@ -77,9 +78,8 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     shards already in ``out_dir`` for the same inputs and settings are kept and the capture resumes after them."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    from draftline.data.capture import iter_hidden_states
     from draftline.data.conversations import load_conversations
     from draftline.data.tokenize import tokenize_conversations
 
@@ -97,11 +97,12 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     if not tokenized:
         raise DataError(f"no conversation in {cfg.conversations} has an assistant token within "
                         f"max_length={cfg.max_length}")
-    verifier = AutoModelForCausalLM.from_pretrained(verifier_path, dtype=torch.float32).eval()
-    num_layers = verifier.config.num_hidden_layers
+    config = AutoConfig.from_pretrained(verifier_path)
+    config = getattr(config, "text_config", config)
+    num_layers = config.num_hidden_layers
     aux = resolve_aux_layers(cfg.aux_layers, num_layers)
 
-    vocab = verifier.config.vocab_size
+    vocab = config.vocab_size
     # the samples themselves are part of the key: a regeneration that failed for some conversations in one
     # run and not in the next must not resume shards cut from another sample list
     samples_digest = hashlib.sha256(json.dumps([(t.id, t.input_ids, t.loss_mask) for t in tokenized]).encode())
@@ -111,7 +112,7 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
         log.warning("resuming the hidden-state capture in %s after %d finished shards (%d samples)",
                     out_dir, len(writer.entries), writer.done_samples)
     total_tokens = sum(len(t.input_ids) for t in tokenized)
-    stream = iter_hidden_states(verifier, tokenized[writer.done_samples:], aux, cfg.batch_size)
+    stream = _hidden_state_stream(cfg, verifier_path, config, tokenized[writer.done_samples:], aux)
     with tqdm(total=total_tokens, initial=writer.done_tokens, desc="verifier hidden states", unit="tok",
               disable=not progress) as bar:
         for i, rec in enumerate(stream, start=1):
@@ -122,7 +123,7 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
         writer.boundary(final=True)
     entries, freqs = writer.entries, writer.freqs
     save_file({"freqs": freqs}, str(out_dir / shards.FREQS))
-    hidden = verifier.config.hidden_size
+    hidden = config.hidden_size
     manifest = {
         "format_version": shards.FORMAT_VERSION,
         "verifier": verifier_path,
@@ -132,6 +133,7 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
         "vocab_size": vocab,
         "aux_layer_ids": aux,
         "dtype": "bfloat16",
+        "capture_backend": cfg.capture_backend,
         "bytes_per_token": (len(aux) + 1) * hidden * 2,
         "max_length": cfg.max_length,
         "samples": sum(e["samples"] for e in entries),
@@ -144,6 +146,24 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
         **({"regenerated": regenerated} if regenerated else {}),
     }
     return shards.write_manifest(out_dir, manifest)
+
+
+def _hidden_state_stream(cfg: PrepareConfig, verifier_path: str, config, samples, aux: list[int]):
+    """Records from the verifier in this process (transformers), or from a vLLM server (the cluster backend)."""
+    if cfg.capture_backend == "vllm":
+        from draftline.data.capture_vllm import iter_hidden_states_vllm
+
+        if not cfg.capture_endpoint:
+            raise DataError("capture_backend=vllm needs --capture-endpoint: the base URL of the vLLM server "
+                            "running speculators' hidden-state extraction")
+        return iter_hidden_states_vllm(samples, cfg.capture_endpoint, cfg.capture_model or cfg.verifier,
+                                       num_aux=len(aux), hidden_size=config.hidden_size, batch_size=cfg.batch_size)
+    from transformers import AutoModelForCausalLM
+
+    from draftline.data.capture import iter_hidden_states
+
+    verifier = AutoModelForCausalLM.from_pretrained(verifier_path, dtype=torch.float32).eval()
+    return iter_hidden_states(verifier, samples, aux, cfg.batch_size)
 
 
 def _regenerate(cfg: PrepareConfig, samples: list[dict], progress: bool) -> dict:

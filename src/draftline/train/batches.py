@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import queue
 import random
+import threading
 from collections.abc import Iterator, Sequence
 
 
@@ -41,3 +43,24 @@ def batches(records: Sequence[dict], tokens_per_batch: int, *, seed: int = 0, ra
             epoch += 1
         yield [records[i] for i in plans[epoch][idx]]
         step += 1
+
+
+def prefetch(items: Iterator, depth: int = 2) -> Iterator:
+    """Yield ``items`` produced on a background thread, up to ``depth`` ahead, so reading the memory-mapped
+    shards and packing the next batch overlap the current step (torch releases the GIL while copying)."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    end = object()
+
+    def produce():
+        try:
+            for item in items:
+                q.put(item)
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer, raised there)
+            q.put(e)
+        q.put(end)
+
+    threading.Thread(target=produce, name="draftline-prefetch", daemon=True).start()
+    while (item := q.get()) is not end:
+        if isinstance(item, BaseException):
+            raise item
+        yield item

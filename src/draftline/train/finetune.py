@@ -15,6 +15,7 @@ import torch
 
 from draftline.config import FinetuneConfig, work_dir
 from draftline.errors import CheckpointError, DataError
+from draftline.train.model import LAYER_FILE, layer_config
 
 
 def resolve_data(ref: str, dest: Path) -> Path:
@@ -177,6 +178,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
                                 f"{manifest['aux_layer_ids']}: prepare the data with --aux-layers "
                                 f"{','.join(map(str, p_aux))}")
         vocab, counts = choose_vocab(cfg, files, data, manifest["vocab_size"])
+        layer = layer_config(manifest["verifier"], files.config if files else None)
         vocab_file = work / "vocab.safetensors"
         save_file({"d2t": vocab["d2t"].contiguous(), "t2d": vocab["t2d"].contiguous()}, str(vocab_file))
 
@@ -212,11 +214,12 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             "tokens_per_batch": cfg.tokens_per_batch, "precision": cfg.precision, "seed": cfg.seed,
             "save_every": cfg.save_every, "log_every": cfg.log_every, "attn_impl": cfg.attn_impl,
             "val_fraction": cfg.val_fraction, "val_every": cfg.val_every,
-            "ds_config": ds_config(cfg), "checkpoint_dir": str(ckpt_dir),
+            "ds_config": ds_config(cfg), "checkpoint_dir": str(ckpt_dir), "layer": layer,
             "load_report": str(work / "parent_load_report.json"), "error_file": str(work / "rank_error.json"),
         }
+        (ckpt_dir / LAYER_FILE).write_text(json.dumps(layer, indent=2, sort_keys=True) + "\n")  # export reads it
         memory_plan.record(cfg, ranks, on_cpu, manifest["verifier"], counts["draft_size"], manifest["aux_layer_ids"],
-                           run_id)  # prints the plan, logs plan.json and plan.fits
+                           run_id, layer)  # prints the plan, logs plan.json and plan.fits
         launch(spec, work / "worker_spec.json", ranks=ranks, on_cpu=on_cpu, hostfile=cfg.hostfile)
 
         meta = lineage.training_metadata(params, counts, extra={"finetune_run_id": run_id,

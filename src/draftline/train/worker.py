@@ -92,7 +92,7 @@ def train(spec: dict) -> None:
 
     from draftline.checkpoints import find_checkpoint, load_into_model
     from draftline.data.shards import open_prepared
-    from draftline.train.batches import batches
+    from draftline.train.batches import batches, prefetch
     from draftline.train.model import (accumulate, build_draft_model, forward, loss_config, pack, summarise,
                                        trainable_parameters)
 
@@ -116,7 +116,8 @@ def train(spec: dict) -> None:
     vocab = load_file(spec["vocab_file"])
     model = build_draft_model(spec["verifier"], d2t=vocab["d2t"], t2d=vocab["t2d"],
                               aux_layer_ids=spec["aux_layer_ids"], draft_vocab_size=int(vocab["d2t"].numel()),
-                              ttt_steps=spec["ttt_steps"], attn_impl=spec["attn_impl"], dtype=dtype)
+                              ttt_steps=spec["ttt_steps"], attn_impl=spec["attn_impl"], dtype=dtype,
+                              layer=spec.get("layer"))
     if spec.get("parent_path"):
         parent_files = find_checkpoint(spec["parent_path"], allow_pickle=spec["allow_pickle"])
         remap = None
@@ -153,11 +154,13 @@ def train(spec: dict) -> None:
     steps, ttt = spec["steps"], spec["ttt_steps"]
     stream = batches(records, spec["tokens_per_batch"], seed=spec["seed"], rank=rank, world_size=world,
                      start_step=start_step)
+    pin = (lambda b: {k: v.pin_memory() for k, v in b.items()}) if on_gpu else (lambda b: b)
+    packed = prefetch(pin(pack(records_of_step)) for records_of_step in stream)
     engine.train()
     step, tick = start_step, time.perf_counter()
     window_tokens = 0
     while step < steps:
-        batch = pack(next(stream), device)
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(packed).items()}
         batch["hidden_states"] = batch["hidden_states"].to(dtype)
         batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(dtype)
         loss, metrics = forward(engine, batch, ttt, cfg)

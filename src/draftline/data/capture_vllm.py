@@ -1,0 +1,96 @@
+"""Hidden states from a vLLM server instead of transformers: the backend for the GPU cluster.
+
+vLLM serves the verifier with speculators' hidden-state extraction (its KV connector, ``hs-connectors``): each
+``/v1/completions`` request with ``max_tokens=1`` makes the server write the requested layers' hidden states
+for the prompt to one safetensors file (``token_ids`` [T], ``hidden_states`` [T, aux + 1, H], the last entry
+being the final layer) and answer with its path in ``kv_transfer_params``. The client is speculators' own
+(``speculators.data_generation.vllm_client``, retries included); this module turns each file into draftline's
+record and deletes it. The files are written by the server, so its output directory must be readable here
+(a shared file system on a cluster).
+
+Start the server as speculators documents it (``speculators generate-offline-data --help`` and its README):
+the layers it extracts must be the aux layers draftline records, plus the last.
+
+It cannot run on a machine without a GPU; the tests drive it against ``draftline.tiny_server``, which answers
+the same protocol with the tiny verifier's transformers hidden states (an emulation, not vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from draftline.data.tokenize import TokenizedSample
+from draftline.errors import DataError
+
+
+async def _one(client, model: str, sample: TokenizedSample, timeout: float, retries: int):
+    from speculators.data_generation.vllm_client import generate_hidden_states_async
+
+    path, _ = await generate_hidden_states_async(client, model, {"input_ids": list(sample.input_ids)},
+                                                 timeout=timeout, max_retries=retries)
+    return path
+
+
+def _record(path: str, sample: TokenizedSample, num_aux: int, hidden: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    from speculators.data_generation.offline import check_hidden_states
+
+    try:
+        data = load_file(path)
+    except (OSError, Exception) as e:  # noqa: BLE001 (safetensors raises its own error type)
+        raise DataError(f"cannot read the hidden states the server wrote to {path} ({e}); is its output "
+                        "directory on a file system this machine can read?") from None
+    try:
+        check_hidden_states(data, list(sample.input_ids))
+    except ValueError as e:
+        raise DataError(f"hidden states for sample {sample.id} from {path}: {e}") from None
+    hs = data["hidden_states"]
+    if hs.dim() != 3 or hs.shape[1] != num_aux + 1 or hs.shape[2] != hidden:
+        raise DataError(f"the server returned hidden states of shape {tuple(hs.shape)} for sample {sample.id}; "
+                        f"expected [tokens, {num_aux + 1}, {hidden}] (the {num_aux} aux layers and the last): "
+                        "start it extracting the same layers as --aux-layers")
+    Path(path).unlink(missing_ok=True)
+    return {
+        "input_ids": torch.tensor(sample.input_ids, dtype=torch.long),
+        "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.bool),
+        "hidden_states": hs[:, :-1].flatten(1).to(torch.bfloat16).contiguous(),
+        "verifier_last_hidden_states": hs[:, -1].to(torch.bfloat16).contiguous(),
+    }
+
+
+def iter_hidden_states_vllm(samples: Sequence[TokenizedSample], endpoint: str, model: str, *, num_aux: int,
+                            hidden_size: int, batch_size: int = 8, timeout: float = 120.0,
+                            retries: int = 3) -> Iterator[dict[str, torch.Tensor]]:
+    """One record per sample, in order, ``batch_size`` requests in flight at a time."""
+    import openai
+
+    async def window(client, chunk):
+        return await asyncio.gather(*(_one(client, model, s, timeout, retries) for s in chunk))
+
+    from draftline.data.regenerate import API_KEY_ENVS, redact, served_models
+
+    key = next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None) or "EMPTY"
+    if model not in served_models(endpoint):  # one clear error when the server is down or serves another model
+        raise DataError(f"the vLLM server at {redact(endpoint)} does not serve {model}; pass --capture-model with "
+                        "one of the models it lists")
+    client = openai.AsyncClient(base_url=endpoint.rstrip("/"), api_key=key, max_retries=0)
+    loop = asyncio.new_event_loop()
+    try:
+        for start in range(0, len(samples), batch_size):
+            chunk = samples[start:start + batch_size]
+            try:
+                paths = loop.run_until_complete(window(client, chunk))
+            except Exception as e:  # noqa: BLE001 (openai / speculators errors after their retries)
+                raise DataError(f"the vLLM server at {redact(endpoint)} did not return hidden states ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}); check that it runs with "
+                                "speculators' hidden-state extraction") from None
+            for sample, path in zip(chunk, paths):
+                yield _record(path, sample, num_aux, hidden_size)
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()

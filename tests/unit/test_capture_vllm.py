@@ -1,0 +1,41 @@
+"""The vLLM capture backend against draftline.tiny_server's emulation of vLLM's hidden-state extraction
+(speculators' protocol, computed with transformers): vLLM itself needs a GPU."""
+
+import pytest
+import torch
+
+from draftline.config import PrepareConfig
+from draftline.data.prepare import build_data
+from draftline.data.shards import open_prepared
+from draftline.errors import DataError
+from draftline.tiny_server import serve_in_thread
+
+from ..conftest import DEMO
+
+
+def test_vllm_backend_writes_the_same_shards_as_transformers(tiny, tmp_path):
+    common = dict(conversations=str(DEMO), verifier=str(tiny["verifier"]), max_length=128, max_samples=6,
+                  batch_size=1, shard_tokens=256)
+    local = build_data(PrepareConfig(**common), tmp_path / "local", progress=False)
+    with serve_in_thread(tiny["verifier"], hidden_states_dir=tmp_path / "server-hs", aux_layer_ids=[2, 4, 5]) as srv:
+        remote = build_data(PrepareConfig(**common, capture_backend="vllm", capture_endpoint=srv.url,
+                                          capture_model=srv.model), tmp_path / "remote", progress=False)
+    assert remote["capture_backend"] == "vllm" and remote["tokens"] == local["tokens"]
+    a, b = open_prepared(tmp_path / "local").records(), open_prepared(tmp_path / "remote").records()
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            assert torch.equal(x[key], y[key]), key
+    assert not list((tmp_path / "server-hs").iterdir())  # every file the server wrote was read and removed
+
+
+def test_vllm_backend_errors_name_the_fix(tiny, tmp_path):
+    cfg = dict(conversations=str(DEMO), verifier=str(tiny["verifier"]), max_samples=2, capture_backend="vllm")
+    with pytest.raises(DataError, match="needs --capture-endpoint"):
+        build_data(PrepareConfig(**cfg), tmp_path / "a", progress=False)
+    with serve_in_thread(tiny["verifier"]) as srv:  # a server without hidden-state extraction
+        with pytest.raises(DataError, match="did not return hidden states.*hidden-state extraction"):
+            build_data(PrepareConfig(**cfg, capture_endpoint=srv.url, capture_model=srv.model), tmp_path / "b",
+                       progress=False)
+        with pytest.raises(DataError, match="does not serve other-model"):
+            build_data(PrepareConfig(**cfg, capture_endpoint=srv.url, capture_model="other-model"), tmp_path / "c",
+                       progress=False)
