@@ -35,6 +35,37 @@ def test_unknown_init_lists_the_catalog(run, workspace, prepared):
     assert "Traceback" not in r.output
 
 
+def _data_for_another_verifier(prepared, tmp_path, **changes):
+    from draftline.data.shards import MANIFEST, data_digest
+
+    copy = shutil.copytree(prepared, tmp_path / "other")
+    m = json.loads((copy / MANIFEST).read_text())
+    m.update(changes, location=str(prepared))
+    m["digest"] = data_digest(m)
+    (copy / MANIFEST).write_text(json.dumps(m))
+    return copy
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"aux_layer_ids": [1, 3, 5]}, "reads aux layers [2, 4, 5] but the data has [1, 3, 5]: prepare the data with "
+                                   "--aux-layers 2,4,5"),
+    ({"hidden_size": 256}, "parent tiny was trained for a verifier with hidden size 128, but the data was prepared"),
+])
+def test_data_for_another_verifier_or_other_aux_layers_is_refused(run, workspace, prepared, tmp_path, changes,
+                                                                  message):
+    from mlflow import MlflowClient
+
+    r = run("finetune", "--data", str(_data_for_another_verifier(prepared, tmp_path, **changes)), "--init", "tiny")
+    assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output
+    runs = MlflowClient().search_runs([e.experiment_id for e in MlflowClient().search_experiments()])
+    assert [x.info.status for x in runs] == ["FAILED"]  # nothing left RUNNING, nothing trained
+
+
+def test_a_registry_parent_that_does_not_exist(run, workspace, prepared):
+    r = run("finetune", "--data", str(prepared), "--init", "models:/no-such-drafter/3")
+    assert r.exit_code == 1 and "models:/no-such-drafter/3 does not resolve" in r.output
+
+
 def test_absent_aq_medai_says_what_to_download_and_where(run, workspace, prepared, monkeypatch):
     monkeypatch.delenv("DRAFTLINE_PARENTS_DIR", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
