@@ -49,3 +49,8 @@ class VerificationError(DraftlineError):
 
 class TrainingError(DraftlineError):
     """Raised when the DeepSpeed launcher or a training rank fails."""
+
+
+class DiskFullError(DraftlineError):
+    """Raised when a write fails for want of room: no space left (ENOSPC), a disk quota (EDQUOT), or a file
+    larger than the process's file size limit or the file system allows (EFBIG)."""

@@ -3,14 +3,18 @@ reloading it through speculators, log it, and register it as a new model version
 
 The directory (``drafter/``): ``config.json`` (speculators format, with the verifier, aux-layer ids, draft
 vocabulary and target hidden size always written), ``model.safetensors``, ``lineage.json``, ``README.md`` (a
-model card with ``base_model:``) and ``checksums.json`` (sha256 of every other file), written last.
+model card with ``base_model:``) and ``checksums.json`` (sha256 of every other file), written last: the
+digests are computed on a second thread while MLflow uploads the files, so checksumming costs no extra pass.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
+import os
+import re
 import sys
 import shutil
 import tempfile
@@ -19,9 +23,68 @@ from pathlib import Path
 import torch
 
 from draftline.config import ExportConfig
-from draftline.errors import CheckpointError, DataError, DraftlineError
+from draftline.errors import CheckpointError, DataError, DiskFullError, DraftlineError
 
 CHECKSUMS = "checksums.json"
+
+# Running out of room, as the OS reports it.
+ROOM_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+               errno.EFBIG: "file too large"}
+_ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]|\(os error (\d+)\)")  # Python's OSError; Rust's io::Error
+_FAILED_FILE = re.compile(r"^##### File (.+) #####$", re.M)  # MLflow's report of a failed artifact download
+
+
+def out_of_room(exc: BaseException | None) -> tuple[int, str | None] | None:
+    """``(errno, file or None)`` when ``exc``, or an exception behind it, is ENOSPC, EDQUOT or EFBIG.
+
+    Not every library re-raises the OSError: safetensors reports it as text ("File too large (os error 27)"),
+    MLflow's artifact download as a text block per failed file, and draftline's own wrappers raise
+    ``from None`` (the original stays in ``__context__``); so the chain is walked and the messages read.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in ROOM_ERRNOS:
+            return exc.errno, exc.filename if isinstance(exc.filename, str) else None
+        text = str(exc)
+        codes = [int(a or b) for a, b in _ERRNO_IN_TEXT.findall(text)]
+        codes += [c for c in ROOM_ERRNOS if os.strerror(c) in text]
+        code = next((c for c in codes if c in ROOM_ERRNOS), None)
+        if code is not None:
+            failed = _FAILED_FILE.search(text)
+            return code, failed.group(1) if failed else None
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+@contextlib.contextmanager
+def room_for(target: Path | str, *, space_fix: str, size_fix: str):
+    """Turn running out of room while writing ``target`` into one :class:`DiskFullError` that names the file
+    and the fix; any other error passes through unchanged."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001
+        found = out_of_room(e)
+        if found is None:
+            raise
+        code, name = found
+        path = name if name and os.path.isabs(name) else f"{target}/{name}" if name else str(target)
+        if code == errno.EFBIG:
+            raise DiskFullError(f"file too large while writing {path} (over the file size limit, `ulimit -f`, "
+                                f"or the largest file its file system takes): {size_fix}") from None
+        raise DiskFullError(f"{ROOM_ERRNOS[code]} while writing {path}: {space_fix}") from None
+
+
+def _room_in_tmp(target: Path):
+    where = tempfile.gettempdir()
+    return room_for(target, space_fix=f"free space on {where} or point TMPDIR elsewhere",
+                    size_fix="raise the limit or point TMPDIR elsewhere")
+
+
+def _room_in_store(target: str):
+    return room_for(target, space_fix=f"free space on the artifact store ({target}) and on "
+                    f"{tempfile.gettempdir()}, then export again",
+                    size_fix="raise the limit, then export again")
 
 
 def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
@@ -34,15 +97,15 @@ def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir))
 
 
-def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str]):
-    """A fresh drafter for the run's verifier and vocabulary, with the consolidated weights copied in."""
+def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], layer: dict | None = None):
+    """A fresh drafter for the run's verifier, decoder layer and vocabulary, with the consolidated weights."""
     from draftline.checkpoints import VERIFIER_OWNED
     from draftline.train.model import build_draft_model
 
     aux = json.loads(params["verifier.aux_layers"])
     model = build_draft_model(params["verifier.name_or_path"], d2t=state["d2t"], t2d=state["t2d"],
                               aux_layer_ids=aux, draft_vocab_size=int(state["d2t"].numel()),
-                              ttt_steps=int(params["ttt_steps"]), dtype=torch.bfloat16)
+                              ttt_steps=int(params["ttt_steps"]), dtype=torch.bfloat16, layer=layer)
     expected = {k for k in model.state_dict() if k not in VERIFIER_OWNED}
     missing = sorted(expected - set(state))
     if missing:
@@ -89,8 +152,8 @@ vllm serve {lineage.get('verifier.name_or_path')} --speculative-config '{{"model
 """
 
 
-def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float]) -> dict[str, str]:
-    """Write the speculators-format directory; returns the checksum manifest."""
+def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float]) -> None:
+    """Write the speculators-format directory (``checksums.json`` comes with the upload)."""
     out.mkdir(parents=True, exist_ok=True)
     model.config.target_hidden_size = model.hidden_size
     model.save_pretrained(str(out), safe_serialization=True)
@@ -102,8 +165,21 @@ def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float]) ->
         raise CheckpointError("the exported config.json names no verifier")
     (out / "lineage.json").write_text(json.dumps(lineage, indent=2, sort_keys=True) + "\n")
     (out / "README.md").write_text(model_card(lineage, metrics))
-    manifest = sha256_manifest(out)
+
+
+def upload_with_checksums(out: Path, artifact_path: str) -> dict[str, str]:
+    """Log ``out`` to the active run, then its ``checksums.json``; the digests are computed on a second
+    thread while MLflow uploads the files (both read them from the page cache)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import mlflow
+
+    with ThreadPoolExecutor(1, thread_name_prefix="draftline-sha256") as pool:
+        digests = pool.submit(sha256_manifest, out)
+        mlflow.log_artifacts(str(out), artifact_path=artifact_path)
+        manifest = digests.result()
     (out / CHECKSUMS).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    mlflow.log_artifact(str(out / CHECKSUMS), artifact_path=artifact_path)
     return manifest
 
 
@@ -170,25 +246,33 @@ def run(cfg: ExportConfig) -> dict[str, str]:
                             tags={"draftline.finetune.run_id": ft_id}) as active, \
             tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp:
         tmp = Path(tmp)
-        ckpt = tracking.download(f"runs:/{ft_id}/checkpoints", tmp)
-        model = build_trained_model(consolidate(ckpt), params)
+        # the run's artifact URI, not runs:/ (whose repository hides why a download failed)
+        with _room_in_tmp(tmp):
+            ckpt = tracking.download(f"{ft.info.artifact_uri}/checkpoints", tmp)
+        from draftline.train.model import LAYER_FILE
+
+        layer = json.loads((ckpt / LAYER_FILE).read_text()) if (ckpt / LAYER_FILE).is_file() else None
+        model = build_trained_model(consolidate(ckpt), params, layer)
         shutil.rmtree(ckpt, ignore_errors=True)
         lineage = {k: params[k] for k in lin.VERSION_TAG_PARAMS if k in params}
         lineage.update({"finetune.run_id": ft_id, "ttt_steps": params.get("ttt_steps", "3")})
         out = tmp / "drafter"
         try:
-            manifest = write_drafter(model, out, lineage, metrics)
+            with _room_in_tmp(out):
+                write_drafter(model, out, lineage, metrics)
         except OSError as e:
-            raise DraftlineError(f"cannot write the export to {tmp} ({e.strerror}); free space in "
-                                 f"{tempfile.gettempdir()} or set TMPDIR") from None
+            raise DraftlineError(f"cannot write the export to {e.filename or out} ({e.strerror}): point TMPDIR "
+                                 "at a writable directory") from None
         validate(model, out)
-        export_sha = export_digest(manifest)
         tracking.log_params_once({"export.layout": cfg.layout, "export.registered_model": cfg.registered_model,
                                   **{k: v for k, v in lineage.items() if k != "ttt_steps"}})
-        mlflow.log_artifacts(str(out), artifact_path="drafter")
+        with _room_in_store(f"{active.info.artifact_uri}/drafter"):
+            export_sha = export_digest(upload_with_checksums(out, "drafter"))
         if cfg.layout == "midlayer":
-            write_midlayer(model, tmp / "midlayer", params)
-            mlflow.log_artifacts(str(tmp / "midlayer"), artifact_path="midlayer")
+            with _room_in_tmp(tmp / "midlayer"):
+                write_midlayer(model, tmp / "midlayer", params)
+            with _room_in_store(f"{active.info.artifact_uri}/midlayer"):
+                mlflow.log_artifacts(str(tmp / "midlayer"), artifact_path="midlayer")
         tags = {**lineage, "export.sha256": export_sha, "export.validated": "true",
                 "export.run_id": active.info.run_id,
                 **{f"metric.{k}": f"{v:.4f}" for k, v in metrics.items()}}
