@@ -18,6 +18,20 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("MLFLOW_RUN_ID", None)
 
 
+@pytest.fixture(autouse=True)
+def _no_mlflow_state_from_other_tests(monkeypatch):
+    """MLflow keeps the experiment in the environment (MLFLOW_EXPERIMENT_ID) and in a module global; neither
+    may leak from one test into the next."""
+    for var in ("MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(var, raising=False)
+    import mlflow
+
+    mlflow.tracking.fluent._active_experiment_id = None
+    yield
+    while mlflow.active_run():
+        mlflow.end_run()
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> dict[str, Path]:
     from draftline.tiny import make_tiny

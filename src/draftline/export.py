@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
@@ -286,6 +285,8 @@ def run(cfg: ExportConfig) -> dict[str, str]:
 
 
 def export_digest(manifest: dict[str, str]) -> str:
-    """One sha256 naming the whole export: over the sorted (file, sha256) pairs."""
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    """One sha256 naming the whole export: over the sorted (file, sha256) pairs (what pulls check)."""
+    from draftline.transfer import manifest_digest_of
+
+    return manifest_digest_of(manifest)
 

@@ -144,6 +144,7 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
                 client.set_model_version_tag(name, version, k, v)
             client.transition_model_version_stage(name, version, stage, archive_existing_versions=True)
             _converge(client, name, stage)
+            mv = client.get_model_version(name, version)  # as this promotion left it (a later one may follow)
     except RegistryError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -152,7 +153,7 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
             raise RegistryError(f"permission denied: {user} may read {name} but not change its stages; ask an "
                                 f"MLflow admin for EDIT permission on registered model {name}") from None
         raise RegistryError(f"cannot promote models:/{name}/{version} to {stage}: {_mlflow_error(e)}") from None
-    return results, client.get_model_version(name, version)
+    return results, mv
 
 
 LOCK_SUFFIX = "--draftline-promotion-lock"
@@ -266,7 +267,8 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     _, mv = resolve_version(client, uri)
     local = Path(dest)
     stats = fetch_directory(client.get_model_version_download_uri(name, mv.version), local,
-                            cache=BlobCache() if use_cache else None)
+                            cache=BlobCache() if use_cache else None,
+                            manifest_digest=mv.tags.get("export.sha256"))
     config = json.loads((local / "config.json").read_text())
     want = config["speculators_config"]["verifier"]["name_or_path"]
     if verifier and verifier != want:

@@ -142,9 +142,17 @@ def _safe_names(manifest: dict[str, str], root: Path) -> None:
             raise VerificationError(f"{CHECKSUMS} gives {name!r} no sha256; refusing it")
 
 
-def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progress: bool = True) -> dict:
+def manifest_digest_of(manifest: dict[str, str]) -> str:
+    """One sha256 naming a whole export: over its sorted (file, sha256) pairs (the ``export.sha256`` tag)."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progress: bool = True,
+                    manifest_digest: str | None = None) -> dict:
     """Assemble the export at ``base_uri`` into ``dest``, every file verified; returns what was transferred.
 
+    With ``manifest_digest`` (the version's ``export.sha256`` tag, set by the registry at export time),
+    ``checksums.json`` itself must match it, so rewriting a file and its checksum in the store is caught too.
     ``dest`` is replaced only once everything is in place; on any failure it is left as it was.
     """
     import mlflow
@@ -167,6 +175,9 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
                                     f"({str(e).splitlines()[0]})") from None
         if not isinstance(manifest, dict):
             raise VerificationError(f"{CHECKSUMS} of {base_uri} is not a mapping of file: sha256")
+        if manifest_digest and manifest_digest_of(manifest) != manifest_digest:
+            raise VerificationError(f"{CHECKSUMS} of {base_uri} does not match the export.sha256 the registry "
+                                    "recorded at export time: the stored files were rewritten; refusing them")
         _safe_names(manifest, staging.resolve())
         todo = []
         for name, digest in sorted(manifest.items()):

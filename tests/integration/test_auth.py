@@ -18,7 +18,7 @@ def test_read_user_pulls_but_cannot_promote(workspace, auth_server, monkeypatch,
     from mlflow import MlflowClient
     from mlflow.server import get_app_client
 
-    from draftline.export import CHECKSUMS, sha256_manifest
+    from draftline.export import CHECKSUMS, export_digest, sha256_manifest
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", auth_server)
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN[0])
@@ -30,14 +30,16 @@ def test_read_user_pulls_but_cannot_promote(workspace, auth_server, monkeypatch,
     export.mkdir()
     (export / "config.json").write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": "/v"}}}))
     (export / "model.safetensors").write_bytes(b"\0" * 64)
-    (export / CHECKSUMS).write_text(json.dumps(sha256_manifest(export)))
+    manifest = sha256_manifest(export)
+    (export / CHECKSUMS).write_text(json.dumps(manifest))
     mlflow.set_experiment("team")
     with mlflow.start_run() as run:
         mlflow.log_artifacts(str(export), "drafter")
     client = MlflowClient()
     client.create_registered_model("team-drafter")
     client.create_model_version("team-drafter", f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id,
-                                tags={**TAGS, "metric.val/acceptance_length": "1.5"})
+                                tags={**TAGS, "metric.val/acceptance_length": "1.5",
+                                      "export.sha256": export_digest(manifest)})
 
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "reader")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "reader-password-123")

@@ -21,7 +21,7 @@ def _draftline(*args):
 
 
 def test_kill_and_resume_continues_the_same_run(workspace, prepared):
-    flags = ["--data", prepared, "--init", "tiny", "--gpus", "2", "--steps", "6", "--save-every", "2",
+    flags = ["--data", prepared, "--init", "tiny", "--gpus", "2", "--steps", "4", "--save-every", "2",
              "--tokens-per-batch", "512", "--val-fraction", "0"]
     proc = subprocess.Popen(_draftline("finetune", *flags), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -29,7 +29,7 @@ def test_kill_and_resume_continues_the_same_run(workspace, prepared):
     latest = None
     while time.monotonic() < deadline and proc.poll() is None:
         found = list(Path("work").glob("*/checkpoints/latest"))
-        if found and found[0].read_text().strip() in ("step2", "step4"):
+        if found and found[0].read_text().strip() == "step2":
             latest = found[0]
             break
         time.sleep(0.2)
@@ -52,7 +52,7 @@ def test_kill_and_resume_continues_the_same_run(workspace, prepared):
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params == params_before
     steps = sorted({m.step for m in client.get_metric_history(run_id, "train/loss")})
-    assert steps == [1, 2, 3, 4, 5, 6]
+    assert steps == [1, 2, 3, 4]
 
     # the resumed weights are those of an uninterrupted run with the same seed
     straight = subprocess.run(_draftline("finetune", *flags), capture_output=True, text=True)

@@ -80,3 +80,14 @@ def sha256_manifest_of(files: dict[str, bytes]) -> dict[str, str]:
     import hashlib
 
     return {n: hashlib.sha256(b).hexdigest() for n, b in files.items()}
+
+
+def test_a_file_rewritten_together_with_its_checksum_is_caught_by_the_registry_digest(store, tmp_path):
+    from draftline.transfer import manifest_digest_of
+
+    recorded = manifest_digest_of(sha256_manifest_of(FILES))  # what export tagged the version with
+    forged = {**FILES, "model.safetensors": b"other weights"}
+    uri = _publish(tmp_path, forged, manifest=sha256_manifest_of(forged))  # consistent, but not what was exported
+    with pytest.raises(VerificationError, match="does not match the export.sha256 the registry recorded"):
+        fetch_directory(uri, tmp_path / "d", cache=None, manifest_digest=recorded)
+    assert not (tmp_path / "d").exists()
