@@ -16,23 +16,14 @@ AUX = [2, 30, 58]
 
 
 def drafter_config(shape: str):
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import LlamaConfig
+    """The speculators config of the shape: one Llama layer, as ``draftline plan`` builds it."""
+    from draftline.plan import llama_drafter_config
 
-    s = dict(SHAPES[shape])
-    draft = s.pop("draft_vocab_size")
-    layer = LlamaConfig(num_hidden_layers=1, rope_theta=1e6, max_position_embeddings=8192, rms_norm_eps=1e-5, **s)
-    layer._attn_implementation = "sdpa"  # noqa: SLF001
-    return Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=draft, norm_before_residual=False,
-        eagle_aux_hidden_state_layer_ids=AUX,
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=None, architectures=["DeepseekV3ForCausalLM"])),
-    )
+    s = SHAPES[shape]
+    config = llama_drafter_config({**s, "rope_theta": 1e6, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5},
+                                  draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=AUX)
+    config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (flex attention needs a GPU)
+    return config
 
 
 def bench_model(shape: str, device, dtype=torch.bfloat16, init: bool = True):

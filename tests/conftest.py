@@ -69,11 +69,8 @@ def workspace(tmp_path, monkeypatch, tiny):
     monkeypatch.setenv("DRAFTLINE_EXPERIMENT", "tests")
     import mlflow
 
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    mlflow.tracking.fluent._active_experiment_id = None
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")  # _no_mlflow_state_from_other_tests cleans up
     yield tmp_path
-    while mlflow.active_run():
-        mlflow.end_run()
 
 
 from draftline.localserver import start_mlflow_server as _start_server  # noqa: E402

@@ -101,6 +101,14 @@ def work_dir() -> Path:
     return Path(os.environ.get("DRAFTLINE_WORK", "work")).resolve()
 
 
+def cache_root() -> Path:
+    """Caches shared by runs on this machine (pulled blobs, regenerated conversations): $DRAFTLINE_CACHE_DIR,
+    default ~/.cache/draftline."""
+    import os
+
+    return Path(os.environ.get("DRAFTLINE_CACHE_DIR") or "~/.cache/draftline").expanduser()
+
+
 def resolve(model: type[BaseModel], *, flags: dict[str, Any] | None = None, file: str | Path | None = None):
     """flag > config file > default. ``None`` flags do not override. Raises :class:`ConfigError`."""
     values: dict[str, Any] = {}

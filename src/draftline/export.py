@@ -23,8 +23,7 @@ import torch
 
 from draftline.config import ExportConfig
 from draftline.errors import CheckpointError, DataError, DiskFullError, DraftlineError
-
-CHECKSUMS = "checksums.json"
+from draftline.transfer import CHECKSUMS  # one name for the manifest, in exports and pulls
 
 # Running out of room, as the OS reports it.
 ROOM_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",

@@ -50,9 +50,6 @@ KIMI_K2 = {
     "head_dim": 128, "vocab_size": 163840, "draft_vocab_size": 32000, "aux_layer_ids": [2, 30, 58],
     "rope_theta": 1e6, "rms_norm_eps": 1e-5,
 }
-_LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "vocab_size", "rms_norm_eps", "max_position_embeddings", "hidden_act", "attention_bias",
-               "rope_theta", "rope_scaling")
 
 
 def _speculator_config(layer_config, *, draft_vocab_size: int, aux_layer_ids: list[int] | None,
@@ -79,8 +76,10 @@ def llama_drafter_config(fields: dict[str, Any], *, draft_vocab_size: int, aux_l
     """One Llama layer from flat config fields (SpecForge's config.json, or :data:`KIMI_K2`)."""
     from transformers import LlamaConfig
 
-    layer = LlamaConfig(**{k: v for k, v in fields.items() if k in _LAYER_KEYS and v is not None},
-                        num_hidden_layers=1)
+    from draftline.train.model import LLAMA_LAYER_KEYS
+
+    keys = (*LLAMA_LAYER_KEYS, "vocab_size")
+    layer = LlamaConfig(**{k: v for k, v in fields.items() if k in keys and v is not None}, num_hidden_layers=1)
     return _speculator_config(layer, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
                               norm_before_residual=norm_before_residual)
 

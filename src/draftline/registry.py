@@ -228,7 +228,7 @@ def format_results(results) -> str:
 def verify_dir(directory: Path) -> dict[str, str]:
     """Check every file against ``checksums.json``; refuse missing, extra-path or altered files."""
     from draftline.checkpoints import file_sha256
-    from draftline.export import CHECKSUMS
+    from draftline.transfer import CHECKSUMS
 
     path = directory / CHECKSUMS
     if not path.is_file():

@@ -24,14 +24,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
+from draftline.config import cache_root
 from draftline.errors import VerificationError
 
 CHECKSUMS = "checksums.json"
 _CHUNK = 8 << 20
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DRAFTLINE_CACHE_DIR") or Path.home() / ".cache" / "draftline")
 
 
 class _GrowingFileHasher(threading.Thread):

@@ -18,7 +18,6 @@ the same protocol with the tiny verifier's transformers hidden states (an emulat
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -42,7 +41,7 @@ def _record(path: str, sample: TokenizedSample, num_aux: int, hidden: int) -> di
 
     try:
         data = load_file(path)
-    except (OSError, Exception) as e:  # noqa: BLE001 (safetensors raises its own error type)
+    except Exception as e:  # noqa: BLE001 (OSError, or safetensors' own error type)
         raise DataError(f"cannot read the hidden states the server wrote to {path} ({e}); is its output "
                         "directory on a file system this machine can read?") from None
     try:
@@ -72,13 +71,12 @@ def iter_hidden_states_vllm(samples: Sequence[TokenizedSample], endpoint: str, m
     async def window(client, chunk):
         return await asyncio.gather(*(_one(client, model, s, timeout, retries) for s in chunk))
 
-    from draftline.data.regenerate import API_KEY_ENVS, redact, served_models
+    from draftline.data.regenerate import api_key, redact, served_models
 
-    key = next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None) or "EMPTY"
-    if model not in served_models(endpoint):  # one clear error when the server is down or serves another model
+    if model not in served_models(endpoint, what="vLLM capture endpoint", flag="--capture-endpoint"):  # one clear error when the server is down or serves another model
         raise DataError(f"the vLLM server at {redact(endpoint)} does not serve {model}; pass --capture-model with "
                         "one of the models it lists")
-    client = openai.AsyncClient(base_url=endpoint.rstrip("/"), api_key=key, max_retries=0)
+    client = openai.AsyncClient(base_url=endpoint.rstrip("/"), api_key=api_key() or "EMPTY", max_retries=0)
     loop = asyncio.new_event_loop()
     try:
         for start in range(0, len(samples), batch_size):

@@ -105,7 +105,9 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     vocab = config.vocab_size
     # the samples themselves are part of the key: a regeneration that failed for some conversations in one
     # run and not in the next must not resume shards cut from another sample list
-    samples_digest = hashlib.sha256(json.dumps([(t.id, t.input_ids, t.loss_mask) for t in tokenized]).encode())
+    samples_digest = hashlib.sha256()
+    for t in tokenized:  # streamed: one sample at a time, not one string of every token id
+        samples_digest.update(json.dumps((t.id, t.input_ids, t.loss_mask)).encode() + b"\n")
     writer_key = hashlib.sha256(f"{key or prepare_key(cfg)}:{samples_digest.hexdigest()}".encode()).hexdigest()
     writer = shards.ShardWriter(out_dir, writer_key, cfg.shard_tokens, vocab)
     if writer.done_samples:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import fcntl
 import hashlib
 import json
 import logging
@@ -25,7 +24,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from draftline.checkpoints import file_sha256
+from draftline.config import cache_root
 from draftline.errors import DataError
+from draftline.locks import exclusive
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class _Failed(Exception):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DRAFTLINE_CACHE_DIR") or "~/.cache/draftline").expanduser() / "regenerated"
+    return cache_root() / "regenerated"
 
 
 def cache_key(samples: list[dict], model: str, max_tokens: int, temperature: float, seed: int) -> str:
@@ -68,30 +70,37 @@ def redact(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
+def api_key() -> str | None:
+    """The endpoint's key, from the environment only (never from a flag, so it reaches no param or log)."""
+    return next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None)
+
+
 def _headers() -> dict[str, str]:
-    key = next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None)
+    key = api_key()
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def served_models(endpoint: str, *, timeout_s: float = 10.0) -> list[str]:
-    """The model ids ``GET <endpoint>/models`` lists; a :class:`DataError` when the endpoint cannot answer."""
+def served_models(endpoint: str, *, timeout_s: float = 10.0, what: str = "regeneration endpoint",
+                  flag: str = "--regenerate-endpoint") -> list[str]:
+    """The model ids ``GET <endpoint>/models`` lists; a :class:`DataError` naming ``what`` and ``flag`` when
+    the endpoint cannot answer."""
     shown = redact(endpoint)
     try:
         r = httpx.get(endpoint.rstrip("/") + "/models", headers=_headers(), timeout=timeout_s)
     except httpx.HTTPError as e:
-        raise DataError(f"regeneration endpoint {shown} is unreachable ({type(e).__name__}): start an "
+        raise DataError(f"{what} {shown} is unreachable ({type(e).__name__}): start an "
                         "OpenAI-compatible server there (e.g. `vllm serve <verifier>`) or fix "
-                        "--regenerate-endpoint") from None
+                        f"{flag}") from None
     if r.status_code in (401, 403):
-        raise DataError(f"regeneration endpoint {shown} refused the request (HTTP {r.status_code}): set its API "
+        raise DataError(f"{what} {shown} refused the request (HTTP {r.status_code}): set its API "
                         f"key in {' or '.join(API_KEY_ENVS)}")
     try:
         ids = [m["id"] for m in r.json()["data"]] if r.status_code == 200 else None
     except (ValueError, KeyError, TypeError):
         ids = None
     if not ids:
-        raise DataError(f"regeneration endpoint {shown} lists no model at GET /models (HTTP {r.status_code}): "
-                        "pass the server's OpenAI base URL, usually ending in /v1, as --regenerate-endpoint")
+        raise DataError(f"{what} {shown} lists no model at GET /models (HTTP {r.status_code}): "
+                        f"pass the server's OpenAI base URL, usually ending in /v1, as {flag}")
     return ids
 
 
@@ -208,11 +217,8 @@ def regenerate(samples: list[dict], endpoint: str, *, model: str | None = None, 
                         f"{', '.join(served)}): pass one of them as --regenerate-model, or leave it unset")
     final.parent.mkdir(parents=True, exist_ok=True)
     partial = final.with_name(final.name + ".partial")
-    with open(final.with_name(final.name + ".lock"), "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DataError(f"another run is regenerating into {partial}: wait for it to finish") from None
+    with exclusive(final.with_name(final.name + ".lock"),
+                   busy=f"another run is regenerating into {partial}: wait for it to finish"):
         reused, whole = _read(partial, len(samples)) if partial.is_file() else ({}, True)
         if not whole:  # drop a torn line before appending after it
             tmp = partial.with_name(partial.name + ".tmp")
@@ -243,7 +249,7 @@ def regenerate(samples: list[dict], endpoint: str, *, model: str | None = None, 
 
 def _result(path: Path, records: dict[int, dict], model: str, *, done: int, reused: int,
             failures: dict[int, str], samples: list[dict]) -> Regenerated:
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = file_sha256(path)
     out = [{"id": records[i]["id"], "messages": records[i]["messages"]} for i in sorted(records)]
     return Regenerated(path=path, samples=out, model=model, file_sha256=digest, done=done, reused=reused,
                        failed=len(failures), failed_ids=[samples[i]["id"] for i in sorted(failures)])

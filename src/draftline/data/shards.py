@@ -8,7 +8,6 @@ the shapes, the counts, each shard's sha256, and the data digest.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -49,19 +48,12 @@ def write_shard(path: Path, records: list[dict[str, torch.Tensor]]) -> dict:
 PROGRESS = "progress.json"
 
 
-@contextlib.contextmanager
 def exclusive(out_dir: Path):
-    """Hold ``out_dir/.lock`` (flock): one prepare writes a data directory at a time."""
-    import fcntl
+    """Hold ``out_dir/.lock``: one prepare writes a data directory at a time."""
+    from draftline.locks import exclusive as lock
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".lock", "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DataError(f"another prepare is writing {out_dir}; wait for it or choose another "
-                            "--output-dir") from None
-        yield
+    return lock(out_dir / ".lock", busy=f"another prepare is writing {out_dir}; wait for it or choose another "
+                                       "--output-dir")
 
 
 class ShardWriter:

@@ -11,7 +11,7 @@ DEFAULT_DTYPE = torch.bfloat16
 
 LAYER_FILE = "layer_config.json"  # beside the DeepSpeed checkpoint: the layer the run trained
 SUPPORTED_LAYERS = ("llama", "qwen3")  # the decoder layers speculators' Eagle3DraftModel can build
-_LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+LLAMA_LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "rms_norm_eps", "max_position_embeddings", "hidden_act", "attention_bias", "rope_theta",
                "rope_scaling", "rope_parameters")
 
@@ -38,7 +38,7 @@ def layer_config(verifier_name_or_path: str, parent_config: dict | None = None) 
             "head_dim": getattr(verifier, "v_head_dim", None) or verifier.hidden_size // verifier.num_attention_heads,
             "rms_norm_eps": verifier.rms_norm_eps, "max_position_embeddings": verifier.max_position_embeddings,
             "hidden_act": "silu", "rope_parameters": getattr(verifier, "rope_parameters", None)}
-        out = {"model_type": "llama", **{k: v for k, v in fields.items() if k in _LLAMA_KEYS and v is not None}}
+        out = {"model_type": "llama", **{k: v for k, v in fields.items() if k in LLAMA_LAYER_KEYS and v is not None}}
     out.update(num_hidden_layers=1, vocab_size=verifier.vocab_size)
     return out
 
