@@ -61,17 +61,17 @@ def bench_model(shape: str, device, dtype=torch.bfloat16, init: bool = True):
     return model
 
 
-def fake_batch(model, tokens: int, device, seed: int = 0) -> dict[str, torch.Tensor]:
+def fake_batch(model, tokens: int, device, seed: int = 0, docs: int = 4) -> dict[str, torch.Tensor]:
+    """``docs`` random samples packed as training packs them (shifted into vLLM's pairing): ``tokens`` in all."""
+    from draftline.train.model import pack
+
     g = torch.Generator().manual_seed(seed)
     h = model.hidden_size
     aux = len(model.config.eagle_aux_hidden_state_layer_ids)
-    docs = 4
-    per = tokens // docs
-    return {
-        "input_ids": torch.randint(0, model.verifier_vocab_size, (1, tokens), generator=g).to(device),
-        "loss_mask": torch.ones(1, tokens, dtype=torch.bool).to(device),
-        "hidden_states": torch.randn(1, tokens, aux * h, generator=g).to(torch.bfloat16).to(device),
-        "verifier_last_hidden_states": torch.randn(1, tokens, h, generator=g).to(torch.bfloat16).to(device),
-        "position_ids": torch.arange(tokens).remainder(per).unsqueeze(0).to(device),
-        "document_ids": (torch.arange(tokens) // per).clamp(max=docs - 1).unsqueeze(0).to(device),
-    }
+    per = tokens // docs + 1  # the shift drops one token per sample
+    samples = [{"input_ids": torch.randint(0, model.verifier_vocab_size, (per,), generator=g),
+                "loss_mask": torch.ones(per, dtype=torch.bool),
+                "hidden_states": torch.randn(per, aux * h, generator=g).to(torch.bfloat16),
+                "verifier_last_hidden_states": torch.randn(per, h, generator=g).to(torch.bfloat16)}
+               for _ in range(docs)]
+    return pack(samples, device)

@@ -200,6 +200,8 @@ def validate(model, out: Path, seed: int = 0) -> None:
     """Reload ``out`` with speculators and require identical weights and identical outputs on a batch."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
+    from draftline.train.model import pack
+
     config = Eagle3SpeculatorConfig.from_pretrained(str(out))
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (not saved; flex needs a GPU)
     reloaded = Eagle3DraftModel.from_pretrained(str(out), config=config).to(torch.bfloat16).eval()
@@ -208,11 +210,14 @@ def validate(model, out: Path, seed: int = 0) -> None:
         if not torch.equal(ours[key].cpu(), theirs[key].cpu()):
             raise CheckpointError(f"export validation failed: {key} differs after reloading {out}")
     g = torch.Generator().manual_seed(seed)
-    n, h = 32, model.hidden_size
+    n, h = 33, model.hidden_size
     aux = len(model.config.eagle_aux_hidden_state_layer_ids)
-    ids = torch.randint(0, model.verifier_vocab_size, (1, n), generator=g)
-    batch = {"hidden_states": torch.randn(1, n, aux * h, generator=g).to(torch.bfloat16), "input_ids": ids,
-             "document_ids": torch.zeros(1, n, dtype=torch.long), "position_ids": torch.arange(n).unsqueeze(0)}
+    sample = {"input_ids": torch.randint(0, model.verifier_vocab_size, (n,), generator=g),
+              "loss_mask": torch.ones(n, dtype=torch.bool),
+              "hidden_states": torch.randn(n, aux * h, generator=g).to(torch.bfloat16),
+              "verifier_last_hidden_states": torch.randn(n, h, generator=g).to(torch.bfloat16)}
+    batch = pack([sample])  # in the pairing vLLM serves, as in training
+    del batch["loss_mask"], batch["verifier_last_hidden_states"]
     with torch.no_grad():
         a, b = model(**batch, ttt_steps=3), reloaded(**batch, ttt_steps=3)
     if not all(torch.equal(x, y) for x, y in zip(a, b)):

@@ -17,10 +17,17 @@ class Comparison(BaseModel):
     margin: float = Field(0.0, ge=0.0)
 
 
+class TagValue(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    value: str
+    why: str = Field("", description="shown when the tag is missing or differs: why the value matters, the fix")
+
+
 class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
     stage: str = Field(pattern="^(Staging|Production)$")
     require_tags: list[str] = Field(default_factory=list)
+    require_tag_values: dict[str, TagValue] = Field(default_factory=dict)
     export_validated: bool = True
     min_metrics: dict[str, float] = Field(default_factory=dict)
     not_worse_than_current: Comparison | None = None
@@ -68,6 +75,11 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None) -> list[RuleResul
     missing = [t for t in policy.require_tags if not mv.tags.get(t)]
     out.append(RuleResult("lineage tags present", not missing,
                           "all present" if not missing else "missing: " + ", ".join(missing)))
+    for tag, want in policy.require_tag_values.items():
+        got = mv.tags.get(tag)
+        detail = f"{tag}={got}" if got == want.value else \
+            f"{tag}={got or '(not recorded)'}, needs {want.value}" + (f": {want.why}" if want.why else "")
+        out.append(RuleResult(f"{tag} is {want.value}", got == want.value, detail))
     if policy.export_validated:
         ok = mv.tags.get("export.validated") == "true"
         out.append(RuleResult("export validated", ok, f"export.validated={mv.tags.get('export.validated')}"))
@@ -81,6 +93,11 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None) -> list[RuleResul
             continue
         if other is None:
             out.append(RuleResult(f"not worse than {label}", True, f"no {label} version: nothing to compare"))
+            continue
+        if other.tags.get("train.pairing") != mv.tags.get("train.pairing"):
+            out.append(RuleResult(f"not worse than {label}", True,
+                                  f"v{other.version} was trained in another pairing "
+                                  f"({other.tags.get('train.pairing') or 'unshifted'}): its metrics are not comparable"))
             continue
         v, w = _metric(mv, cmp_.metric), _metric(other, cmp_.metric)
         ok = v is not None and (w is None or v >= w - cmp_.margin)

@@ -10,7 +10,7 @@ from draftline.cli import cli
 TAGS = {"init": "tiny", "parent.source": "draftline/tiny-parent", "parent.sha256": "ab" * 32,
         "parent.layout": "midlayer", "vocab.policy": "parent", "verifier.name_or_path": "/v",
         "verifier.aux_layers": "[2, 4, 5]", "data.digest": "cd" * 32, "finetune.run_id": "r1",
-        "export.sha256": "ef" * 32, "export.validated": "true"}
+        "export.sha256": "ef" * 32, "export.validated": "true", "train.pairing": "vllm-shifted"}
 
 
 def _version(client, name, acc, **extra):
@@ -70,6 +70,28 @@ def test_promotion_gates(store):
 
     assert promote("d", "2", "--to", "Staging").exit_code == 0
     assert str(client.get_model_version_by_alias("d", "staging").version) == "2"
+
+
+def test_a_version_trained_before_the_pairing_fix_is_refused_and_not_compared_with(workspace):
+    """Versions registered before draftline trained in vLLM's pairing carry no train.pairing tag: promotion
+    refuses them with the reason, and their (inflated, unshifted) metrics never block a retrained version."""
+    client = MlflowClient()
+    _version(client, "old", 1.9, **{"train.pairing": ""})
+    for stage in ("Staging", "Production"):
+        r = promote("old", "1", "--to", stage)
+        assert r.exit_code == 1 and "nothing changed" in r.output
+        assert "FAIL  train.pairing is vllm-shifted" in r.output
+        assert "train.pairing=(not recorded), needs vllm-shifted" in r.output and "retrain it" in r.output
+    assert client.get_model_version("old", "1").current_stage == "None"
+
+    # a registry that already serves a pre-fix version (promoted before the policy required the pairing)
+    client.transition_model_version_stage("old", "1", "Production")
+    client.set_registered_model_alias("old", "production", "1")
+    _version(client, "old", 1.3)  # lower than 1.9, but 1.9 was measured in another pairing
+    r = promote("old", "2", "--to", "Production")
+    assert r.exit_code == 0, r.output
+    assert "v1 was trained in another pairing (unshifted): its metrics are not comparable" in r.output
+    assert str(client.get_model_version_by_alias("old", "production").version) == "2"
 
 
 def test_unknown_version_and_bad_policy(workspace, tmp_path):

@@ -15,7 +15,7 @@ import torch
 
 from draftline.config import FinetuneConfig, work_dir
 from draftline.errors import CheckpointError, DataError
-from draftline.train.model import LAYER_FILE, layer_config
+from draftline.train.model import LAYER_FILE, PAIRING, layer_config
 
 
 def resolve_data(ref: str, dest: Path) -> Path:
@@ -140,6 +140,16 @@ def log_accuracy_chart(run_id: str, ttt_steps: int) -> None:
     plt.close(fig)
 
 
+def refuse_unpaired_resume(run_id: str) -> None:
+    """A run started before draftline trained in vLLM's pairing cannot be continued in it."""
+    from mlflow import MlflowClient
+
+    existing = MlflowClient().get_run(run_id).data.params
+    if existing and "train.pairing" not in existing:
+        raise DataError(f"run {run_id} was trained before draftline paired hidden states with tokens as vLLM "
+                        f"serves them ({PAIRING}); its checkpoint cannot be resumed: start a new finetune")
+
+
 def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]:
     """The finetune stage as one MLflow run; ``resume_run`` continues a run from its last checkpoint."""
     import mlflow
@@ -200,7 +210,10 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
             "train.precision": cfg.precision, "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl,
             "train.val_fraction": cfg.val_fraction,
+            "train.pairing": PAIRING,
         }
+        if resume_run:
+            refuse_unpaired_resume(run_id)
         tracking.log_params_once(params, run_id)
         mlflow.set_tags({**lineage.parent_tags(parent, data_run_id), **lineage.environment_tags()})
 

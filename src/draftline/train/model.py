@@ -85,18 +85,30 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+PAIRING = "vllm-shifted"  # recorded as the ``train.pairing`` param and version tag (DESIGN.md: the pairing)
+
+
 def pack(records: Sequence[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Pack samples into one ``[1, total]`` sequence with per-document positions and ids (no padding)."""
-    cat = lambda key: torch.cat([r[key] for r in records]).unsqueeze(0).to(device)  # noqa: E731
-    lengths = [int(r["input_ids"].numel()) for r in records]
+    """Pack samples, each shifted into the pairing vLLM serves, into one ``[1, total]`` sequence (no padding).
+
+    Every sample first goes through speculators' own ``shift_batch``, as its trainer does: the verifier's hidden
+    state at *t* is paired with the token at *t+1* and the verifier's last hidden state at *t+1* (whose argmax
+    is the token at *t+2*, the one vLLM's proposer drafts); positions start at 1, as speculators sets them.
+    Captured data stays unshifted on disk; this is the one place the shift happens.
+    """
+    from speculators.models.eagle3 import shift_batch
+
+    shifted = [shift_batch({**r, "lengths": torch.tensor([r["input_ids"].numel()]),
+                            "position_ids": torch.arange(r["input_ids"].numel())}) for r in records]
+    cat = lambda key: torch.cat([s[key] for s in shifted]).unsqueeze(0).to(device)  # noqa: E731
+    lengths = torch.cat([s["lengths"] for s in shifted])
     return {
         "input_ids": cat("input_ids"),
         "loss_mask": cat("loss_mask"),
         "hidden_states": cat("hidden_states"),
         "verifier_last_hidden_states": cat("verifier_last_hidden_states"),
-        "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(device),
-        "document_ids": torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        .unsqueeze(0).to(device),
+        "position_ids": cat("position_ids"),
+        "document_ids": torch.repeat_interleave(torch.arange(len(lengths)), lengths).unsqueeze(0).to(device),
     }
 
 
