@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import torch
 
+from draftline.drafter_shape import KIMI_K2
+
 SHAPES = {
-    # hidden, intermediate, heads, kv heads, target vocab, draft vocab
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=32, vocab_size=1024, draft_vocab_size=256),
+    # the tiny one the tests use: hidden, intermediate, heads, kv heads, head_dim, target and draft vocab
+    "tiny": {**KIMI_K2, **dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=32, vocab_size=1024, draft_vocab_size=256)},
     # AQ-MedAI/Kimi-K2-Instruct-eagle3's config.json: head_dim 128 (not hidden / heads = 112)
-    "real": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
-                 head_dim=128, vocab_size=163840, draft_vocab_size=32000),
+    "real": KIMI_K2,
 }
-AUX = [2, 30, 58]
+AUX = KIMI_K2["aux_layer_ids"]
 
 
 def drafter_config(shape: str):
     """The speculators config of the shape: one Llama layer, as ``draftline plan`` builds it."""
-    from draftline.plan import llama_drafter_config
+    from draftline.drafter_shape import llama_drafter_config
 
     s = SHAPES[shape]
-    config = llama_drafter_config({**s, "rope_theta": 1e6, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5},
-                                  draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=AUX)
+    config = llama_drafter_config(s, draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=AUX)
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (flex attention needs a GPU)
     return config
 

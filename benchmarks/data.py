@@ -48,7 +48,7 @@ def _synthetic_real_shards(out: Path, tokens: int, per_sample: int = 1024) -> di
     hidden, aux, vocab = 7168, 3, 163840
     writer = shards.ShardWriter(out, "bench", shard_tokens=8192, vocab_size=vocab)
     g = torch.Generator().manual_seed(0)
-    for i in range(tokens // per_sample):
+    for _ in range(tokens // per_sample):
         writer.add({"input_ids": torch.randint(0, vocab, (per_sample,), generator=g),
                     "loss_mask": torch.ones(per_sample, dtype=torch.bool),
                     "hidden_states": torch.randn(per_sample, aux * hidden, generator=g).to(torch.bfloat16),
@@ -64,7 +64,7 @@ def run(tokens_per_batch: int = 2048, real_tokens: int = 16384) -> dict:
     from draftline.config import PrepareConfig
     from draftline.data.prepare import build_data
     from draftline.data.shards import open_prepared
-    from draftline.tiny import make_tiny
+    from draftline.testing.tiny import make_tiny
     from draftline.train.batches import batches as batch_stream
     from draftline.train.model import build_draft_model, forward, loss_config, pack, trainable_parameters
     from draftline.vocab import build_vocab

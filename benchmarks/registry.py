@@ -52,7 +52,7 @@ def run(shape: str = "real", reps: int = 2) -> dict:
 
     from draftline import registry
     from draftline.export import CHECKSUMS, upload_with_checksums
-    from draftline.localserver import start_mlflow_server, stop
+    from draftline.testing.localserver import start_mlflow_server, stop
 
     times: dict[str, list[float]] = {k: [] for k in
                                      ("mlflow_upload", "register", "mlflow_download", "pull_cold", "pull_warm", "cp")}

@@ -16,15 +16,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(steps: int = 150, every: int = 10, metric: str = "full_acc_0", parent_steps: int = 600) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from draftline.checkpoints import find_checkpoint, load_into_model, read_tensors
     from draftline.data.capture import capture_hidden_states
     from draftline.data.conversations import load_conversations
     from draftline.data.tokenize import tokenize_conversations
-    from draftline.tiny import make_tiny
-    from draftline.train.model import accumulate, build_draft_model, forward, loss_config, pack, summarise
-    from draftline.train.model import train_steps_in_process
+    from draftline.testing.tiny import make_tiny
+    from draftline.train.model import (
+        accumulate,
+        build_draft_model,
+        forward,
+        loss_config,
+        pack,
+        summarise,
+        train_steps_in_process,
+    )
     from draftline.train.worker import split_validation
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     demo = ROOT / "configs" / "demo" / "conversations.jsonl"
     with tempfile.TemporaryDirectory(prefix="draftline-warm-") as tmp:

@@ -18,6 +18,19 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("MLFLOW_RUN_ID", None)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", default=False,
+                     help="Run the whole suite (unit + integration), as .ci/run does; benchmarks stay out.")
+
+
+def pytest_configure(config):
+    """`pytest -q` is the quick loop (unit tests); `--all` the full suite; an explicit `-m` always wins."""
+    if config.getoption("--all"):
+        config.option.markexpr = "not benchmark"
+    elif not config.option.markexpr:
+        config.option.markexpr = "not benchmark and not integration"
+
+
 @pytest.fixture(autouse=True)
 def _no_mlflow_state_from_other_tests(monkeypatch):
     """MLflow keeps the experiment in the environment (MLFLOW_EXPERIMENT_ID) and in a module global; neither
@@ -33,10 +46,14 @@ def _no_mlflow_state_from_other_tests(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> dict[str, Path]:
-    from draftline.tiny import make_tiny
+def tiny(tmp_path_factory, request) -> dict[str, Path]:
+    """The tiny verifier and its AQ-MedAI-layout parent. The parent is trained (150 steps) only when an
+    integration test runs (warm start is measured there); unit tests need its layout, not its skill, and get a
+    random one."""
+    from draftline.testing.tiny import make_tiny
 
-    return make_tiny(tmp_path_factory.mktemp("tiny"), DEMO, parent_steps=150, progress=False)
+    trained = any(item.get_closest_marker("integration") for item in request.session.items)
+    return make_tiny(tmp_path_factory.mktemp("tiny"), DEMO, parent_steps=150 if trained else 0, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -73,8 +90,8 @@ def workspace(tmp_path, monkeypatch, tiny):
     yield tmp_path
 
 
-from draftline.localserver import start_mlflow_server as _start_server  # noqa: E402
-from draftline.localserver import stop as _stop  # noqa: E402
+from draftline.testing.localserver import start_mlflow_server as _start_server  # noqa: E402
+from draftline.testing.localserver import stop as _stop  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from draftline.drafter_shape import MIDLAYER_PREFIX, SPECULATORS_PREFIX, key_remap
 from draftline.errors import CheckpointError
 
-MIDLAYER_PREFIX, SPECULATORS_PREFIX = "midlayer.", "layers.0."
 # Keys a drafter shares with its verifier, or keeps only in memory: a parent may lack them or carry them;
 # they are never taken from the parent (reported and recorded as skipped).
 VERIFIER_OWNED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
@@ -104,7 +104,7 @@ def _iter_tensors(files: CheckpointFiles):
                 yield k, (lambda h=handle, k=k: h.get_tensor(k)), tuple(sl.get_shape()), sl.get_dtype()
         except CheckpointError:
             raise
-        except Exception as e:  # safetensors raises SafetensorError / OSError on truncated or foreign files
+        except Exception as e:  # noqa: BLE001 (safetensors raises SafetensorError or OSError on bad files)
             raise CheckpointError(f"cannot read {f}: {e}. The file is truncated or not safetensors; "
                                   "download it again") from None
 
@@ -168,7 +168,7 @@ def load_into_model(model, files: CheckpointFiles, *, lm_head_remap=None) -> Loa
     layout = detect_layout(header)
     persistent = set(model.state_dict().keys())  # non-persistent buffers (rotary inv_freq) are not weights
     params = {k: t for k, t in [*model.named_parameters(), *model.named_buffers()] if k in persistent}
-    report = LoadReport(layout=layout, key_remap="midlayer.->layers.0." if layout == "midlayer" else "none")
+    report = LoadReport(layout=layout, key_remap=key_remap(layout))
 
     problems: list[str] = []
     mapped: dict[str, str] = {}
@@ -229,9 +229,3 @@ def sha256_files(paths, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def file_sha256(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

@@ -23,7 +23,23 @@ os.environ.setdefault("LOGURU_LEVEL", "WARNING")  # speculators logs every file 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+class _Command(click.Command):
+    """Accepts ``--snake_case`` spellings of its options (MLflow passes undeclared parameters that way)."""
+
+    def parse_args(self, ctx, args):
+        known = {o for p in self.params for o in p.opts}
+        fixed = []
+        for arg in args:
+            name, eq, value = arg.partition("=")
+            if name.startswith("--") and "_" in name and name not in known and name.replace("_", "-") in known:
+                arg = name.replace("_", "-") + eq + value
+            fixed.append(arg)
+        return super().parse_args(ctx, fixed)
+
+
 class _Group(click.Group):
+    command_class = _Command
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -55,7 +71,11 @@ def settings_options(model):
             default = None if field.is_required() else field.default
             help_ = (field.description or "") + (f"  [default: {default}]" if default not in (None, "") else "")
             if field.annotation is bool:
-                f = click.option(f"{flag}/--no-{name.replace('_', '-')}", name, default=None, help=help_)(f)
+                # `--log-shards`, `--no-log-shards`, or a value (`--log-shards false`, as MLproject passes it)
+                f = click.option(f"--no-{name.replace('_', '-')}", f"no_{name}", is_flag=True, default=False,
+                                 hidden=True)(f)
+                f = click.option(flag, name, type=str, is_flag=False, flag_value="true", default=None,
+                                 help=help_, metavar="[true|false]")(f)
             else:
                 # strings in, pydantic validates: an empty value (MLproject's "unset") means the default
                 f = click.option(flag, name, type=str, default=None, help=help_,
@@ -101,6 +121,9 @@ def _settings(model, config_file, flags):
     from draftline.config import resolve
 
     flags = {k: v for k, v in flags.items() if v != ""}
+    for name in [k for k in flags if k.startswith("no_") and k[3:] in model.model_fields]:
+        if flags.pop(name):
+            flags[name[3:]] = False
     for name, field in model.model_fields.items():
         value = flags.get(name)
         if _is_list(field.annotation) and isinstance(value, str):
@@ -139,10 +162,10 @@ def make_tiny_cmd(out_dir, conversations, parent_steps, seed):
     """Write a tiny verifier (OUT_DIR/verifier) and a tiny AQ-MedAI-layout parent (OUT_DIR/parent).
 
     The catalog entry `init=tiny` finds the parent through DRAFTLINE_TINY_DIR=OUT_DIR (or work/tiny)."""
-    from draftline.parents import repo_root
-    from draftline.tiny import make_tiny
+    from draftline.config import shipped
+    from draftline.testing.tiny import make_tiny
 
-    src = Path(conversations) if conversations else repo_root() / "configs" / "demo" / "conversations.jsonl"
+    src = Path(conversations) if conversations else shipped("configs", "demo", "conversations.jsonl")
     _result(make_tiny, Path(out_dir), src, parent_steps=parent_steps, seed=seed)
 
 
@@ -181,8 +204,10 @@ def export(config_file, **flags):
 @cli.command("main")
 @click.option("--conversations", required=True, help="Conversations file for prepare.")
 @click.option("--verifier", required=True, help="Verifier directory or cached repo id.")
-@click.option("--init", default="random", show_default=True, help="Parent drafter (see finetune --help).")
-@click.option("--registered-model", default="draftline-drafter", show_default=True)
+@click.option("--init", default=FinetuneConfig.model_fields["init"].default, show_default=True,
+              help="Parent drafter (see finetune --help).")
+@click.option("--registered-model", default=ExportConfig.model_fields["registered_model"].default, show_default=True,
+              help="Registered model the version is added to.")
 @click.option("--set", "overrides", multiple=True, metavar="STEP.KEY=VALUE",
               help="Extra entry-point parameter, e.g. finetune.steps=20 (repeatable).")
 @click.option("--no-cache", is_flag=True, help="Rerun every step even if a matching finished run exists.")
@@ -197,6 +222,14 @@ def main_cmd(conversations, verifier, init, registered_model, overrides, no_cach
         if not sep or not dot or step not in ("prepare", "finetune", "export"):
             raise click.BadParameter(f"expected STEP.KEY=VALUE with STEP in prepare|finetune|export, got {item!r}",
                                      param_hint="--set")
+        fields = {"prepare": PrepareConfig, "finetune": FinetuneConfig, "export": ExportConfig}[step].model_fields
+        name = name.replace("-", "_")
+        if name not in fields:
+            import difflib
+
+            near = difflib.get_close_matches(name, fields, n=1)
+            raise click.BadParameter(f"{step} has no setting {name!r}" + (f"; did you mean {step}.{near[0]}?" if near
+                                     else f"; see draftline {step} --help"), param_hint="--set")
         extra.setdefault(step, {})[name] = value
     _result(run_main, conversations=conversations, verifier=verifier, init=init,
             registered_model=registered_model, extra=extra, use_cache=not no_cache)
@@ -319,9 +352,49 @@ def plan(drafter, gpus, nodes, gpu_memory_gib, tokens_per_batch, ttt_steps, prec
         out = planning.make_plan(drafter, gpus=gpus, nodes=nodes, gpu_memory_gib=gpu_memory_gib,
                                  tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps, precision=precision,
                                  attn_impl=attn_impl, margin=margin, zero_stage=zero_stage)
-    click.echo(json.dumps(out, indent=2) if as_json else planning.render(out))
+    click.echo(json.dumps(out, indent=2) if as_json else render_plan(out))
     if zero_stage is not None:
         planning.check(out, zero_stage)
+
+
+def render_plan(plan: dict) -> str:
+    """The plan as a plain-text table."""
+    from draftline import plan as planning
+
+    lg, lf, a = plan["largest_layer"], plan["largest_frozen_layer"], plan["activations"]
+    big = max(s["total"] for s in plan["stages"].values()) >= planning.GIB
+    unit, unit_name = (planning.GIB, "GiB") if big else (1 << 20, "MiB")  # tiny drafters in MiB
+    mem = "GPU memory unknown: fit not checked" if plan["gpu_memory_gib"] is None else (
+        f"{plan['gpu_memory_gib']:g} GiB per GPU less {plan['margin']:.0%} margin = {planning.gib(plan['budget_bytes'])} GiB")
+    lines = [
+        f"drafter: {plan['drafter']}",
+        f"  params {plan['params']:,} = trainable {plan['trainable']:,} + frozen {plan['frozen']:,} "
+        f"({', '.join(plan['frozen_names'])})",
+        f"  largest trainable layer {lg['name']} ({lg['params']:,}); largest frozen {lf['name']} ({lf['params']:,})",
+        f"setup: {plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s); {mem}",
+        f"  {plan['precision']}, tokens_per_batch {plan['tokens_per_batch']}, ttt_steps {plan['ttt_steps']}, "
+        f"attention {a['attn_impl']}",
+        "",
+        f"  {unit_name + ' per GPU':<12}{'model states':>13}{'frozen':>9}{'activations':>13}{'total':>9}"
+        f"{'headroom':>10}  fits",
+    ]
+    for stage, s in plan["stages"].items():
+        fits = "?" if s["fits"] is None else ("yes" if s["fits"] else "NO")
+        mark = "  <- chosen" if plan["zero_stage"] is not None and int(stage) == plan["zero_stage"] else ""
+        cells = [planning.gib(s[k], unit) for k in ("model_states", "frozen", "activations", "total", "headroom")]
+        lines.append(f"  ZeRO-{stage:<7}{cells[0]:>13}{cells[1]:>9}{cells[2]:>13}{cells[3]:>9}{cells[4]:>10}  "
+                     f"{fits}{mark}")
+    lines += ["", "model states (P trainable params, L largest trainable layer, N GPUs in all):"]
+    lines += [f"  ZeRO-{k}: {s['source']}" for k, s in plan["stages"].items()]
+    lines += [f"  frozen params: {2 if plan['precision'] == 'bf16' else 4} bytes each on every GPU; ZeRO-3 partitions "
+              "them and gathers the largest",
+              f"activations (an estimate): {a['formula']}",
+              f"  = {plan['tokens_per_batch']} x ({plan['ttt_steps']} x {a['per_step']:,} + {a['kv_cache']:,} + "
+              f"{a['once']:,} + {a['transient']:,}) + {a['quadratic']:,} bytes",
+              "", "DeepSpeed's own estimators for the trainable params (per CPU, per GPU, every offload option):",
+              *("  " + ln for ln in plan["deepspeed_estimators"].rstrip().splitlines())]
+    return "\n".join(lines)
+
 
 
 def main() -> None:

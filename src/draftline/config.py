@@ -5,6 +5,7 @@ Precedence is flag > config file > default, applied by :func:`resolve` (pure: it
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -94,18 +95,32 @@ class ExportConfig(_Strict):
                                                        "(speculators is always written; midlayer adds SGLang's).")
 
 
+SHIPPED = Path(__file__).parent / "shipped"  # configs/ and registry_policies/: links in a checkout, copies in a wheel
+
+
+def shipped(*parts: str) -> Path:
+    """A file draftline ships: ``shipped("configs", "zero2.json")``, ``shipped("registry_policies")``. The same
+    path in a checkout (where ``shipped/`` links to the top-level folders) and in an installed wheel."""
+    return SHIPPED.joinpath(*parts)
+
+
+def project_root() -> Path | None:
+    """The checkout draftline runs from (the folder holding ``MLproject``), or None for an installed wheel.
+    ``DRAFTLINE_ROOT`` overrides it."""
+    if os.environ.get("DRAFTLINE_ROOT"):
+        return Path(os.environ["DRAFTLINE_ROOT"])
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "MLproject").is_file() else None
+
+
 def work_dir() -> Path:
     """Scratch and cache space of this machine: $DRAFTLINE_WORK, default ./work."""
-    import os
-
     return Path(os.environ.get("DRAFTLINE_WORK", "work")).resolve()
 
 
 def cache_root() -> Path:
     """Caches shared by runs on this machine (pulled blobs, regenerated conversations): $DRAFTLINE_CACHE_DIR,
     default ~/.cache/draftline."""
-    import os
-
     return Path(os.environ.get("DRAFTLINE_CACHE_DIR") or "~/.cache/draftline").expanduser()
 
 

@@ -14,8 +14,8 @@ import errno
 import json
 import os
 import re
-import sys
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,6 +23,7 @@ import torch
 
 from draftline.config import ExportConfig
 from draftline.errors import CheckpointError, DataError, DiskFullError, DraftlineError
+from draftline.lineage import LINEAGE_FILE
 from draftline.transfer import CHECKSUMS  # one name for the manifest, in exports and pulls
 
 # Running out of room, as the OS reports it.
@@ -113,7 +114,7 @@ def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], 
 
 
 def sha256_manifest(directory: Path) -> dict[str, str]:
-    from draftline.checkpoints import file_sha256
+    from draftline.util import file_sha256
 
     return {p.name: file_sha256(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != CHECKSUMS}
 
@@ -161,7 +162,7 @@ def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float]) ->
             raise CheckpointError(f"the exported config.json lacks {key}; vLLM would fall back to defaults")
     if not (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path"):
         raise CheckpointError("the exported config.json names no verifier")
-    (out / "lineage.json").write_text(json.dumps(lineage, indent=2, sort_keys=True) + "\n")
+    (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True) + "\n")
     (out / "README.md").write_text(model_card(lineage, metrics))
 
 
@@ -185,13 +186,12 @@ def write_midlayer(model, out: Path, params: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
     from draftline.checkpoints import to_midlayer_layout
-    from draftline.tiny import specforge_config
+    from draftline.drafter_shape import specforge_config
 
     out.mkdir(parents=True, exist_ok=True)
     state = to_midlayer_layout({k: v.detach().contiguous() for k, v in model.state_dict().items()})
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    verifier_cfg = model.config.transformer_layer_config
-    cfg = specforge_config(verifier_cfg, draft_vocab_size=model.draft_vocab_size,
+    cfg = specforge_config(model.config.transformer_layer_config, draft_vocab_size=model.draft_vocab_size,
                            aux_layer_ids=json.loads(params["verifier.aux_layers"]))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 

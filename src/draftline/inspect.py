@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 
 from draftline.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
+from draftline.drafter_shape import MIDLAYER_PREFIX, SPECULATORS_PREFIX, aux_layer_ids, key_remap
 from draftline.errors import CheckpointError
 
 
@@ -24,7 +25,7 @@ def _describe(path: Path, target: str, allow_pickle: bool) -> dict:
     header = read_header(files)
     layout = detect_layout(header)
     cfg = files.config
-    prefix = "midlayer." if layout == "midlayer" else "layers.0."
+    prefix = MIDLAYER_PREFIX if layout == "midlayer" else SPECULATORS_PREFIX
     shapes = {k: list(s) for k, (s, _) in header.items()}
     fc = shapes.get("fc.weight")
     if fc is None or len(fc) != 2 or fc[1] % fc[0]:
@@ -41,8 +42,7 @@ def _describe(path: Path, target: str, allow_pickle: bool) -> dict:
     if lm_head and d2t and d2t[0] != lm_head[0]:
         raise CheckpointError(f"{target}: d2t has {d2t[0]} rows but lm_head.weight has {lm_head[0]}")
     tl = cfg.get("transformer_layer_config", cfg)
-    aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+    aux = aux_layer_ids(cfg)
     verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     n_params = 0
     for s, _ in header.values():
@@ -53,7 +53,7 @@ def _describe(path: Path, target: str, allow_pickle: bool) -> dict:
     return {
         "target": target,
         "layout": layout,
-        "key_remap": "midlayer.->layers.0." if layout == "midlayer" else "none",
+        "key_remap": key_remap(layout),
         "keys": len(header),
         "parameters": n_params,
         "hidden_size": hidden,

@@ -32,12 +32,15 @@ def versions() -> dict[str, str]:
 
 
 def git_commit(root: Path | None = None) -> str:
-    from draftline.parents import repo_root
+    from draftline.config import project_root
 
+    root = root or project_root()
+    if root is None:  # an installed wheel: its version is recorded instead
+        return "unknown"
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root or repo_root(), capture_output=True,
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root or repo_root(),
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from draftline.config import project_root, shipped
 from draftline.errors import ConfigError, ParentNotFound
 
 
@@ -43,12 +44,8 @@ class Parent:
         return self.path is None
 
 
-def repo_root() -> Path:
-    return Path(os.environ.get("DRAFTLINE_ROOT", Path(__file__).resolve().parents[2]))
-
-
 def catalog_path() -> Path:
-    return Path(os.environ.get("DRAFTLINE_PARENTS", repo_root() / "configs" / "parents.yaml"))
+    return Path(os.environ.get("DRAFTLINE_PARENTS") or shipped("configs", "parents.yaml"))
 
 
 def load_catalog(path: Path | None = None) -> dict[str, CatalogEntry]:
@@ -64,14 +61,15 @@ def load_catalog(path: Path | None = None) -> dict[str, CatalogEntry]:
 
 def _expand(p: str) -> Path | None:
     """Expand ~ and ${VAR}; a candidate naming an unset variable does not apply. Relative paths are taken
-    from the working directory, then from the repository root."""
+    from the working directory, then from the checkout draftline runs from (if any)."""
     expanded = os.path.expanduser(os.path.expandvars(p))
     if "$" in expanded:
         return None
     path = Path(expanded)
-    if path.is_absolute() or path.exists():
+    root = project_root()
+    if path.is_absolute() or path.exists() or root is None:
         return path
-    return repo_root() / path
+    return root / path
 
 
 def _hf_cached(repo_id: str, revision: str | None = None) -> Path | None:

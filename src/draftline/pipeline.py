@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from draftline.errors import TrainingError
+from draftline.errors import DraftlineError, TrainingError
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +30,19 @@ def _find_finished(client, experiment_id: str, entry_point: str, params: dict[st
 def _step(client, experiment_id, entry_point: str, params: dict[str, object], commit, use_cache: bool) -> str:
     import mlflow
 
-    from draftline.parents import repo_root
+    from draftline.config import project_root
 
+    root = project_root()
+    if root is None:
+        raise DraftlineError("main chains the MLproject entry points and runs from a draftline checkout; run "
+                             "the stages one by one (draftline prepare, finetune, export) with an installed wheel")
     params = {k: str(v) for k, v in params.items()}
     if use_cache:
         hit = _find_finished(client, experiment_id, entry_point, params, commit)
         if hit:
             log.info("reusing %s run %s (same parameters, commit and upstream runs)", entry_point, hit.info.run_id)
             return hit.info.run_id
-    submitted = mlflow.projects.run(str(repo_root()), entry_point=entry_point, parameters=params,
+    submitted = mlflow.projects.run(str(root), entry_point=entry_point, parameters=params,
                                     env_manager="local", experiment_id=experiment_id, synchronous=False)
     for k, v in params.items():  # the exact strings asked for, so the cache compares like with like
         client.set_tag(submitted.run_id, f"draftline.param.{k}", v)

@@ -28,11 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import json
 import math
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,96 +40,6 @@ GIB = 1 << 30
 DEFAULT_GPU_MEMORY_GIB = 180.0
 DEFAULT_MARGIN = 0.10
 STAGES = (0, 1, 2, 3)
-# The AQ-MedAI/Kimi-K2-Instruct-eagle3 drafter as its config.json describes it (DESIGN.md): one Llama layer.
-KIMI_K2 = {
-    "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64, "num_key_value_heads": 64,
-    "head_dim": 128, "vocab_size": 163840, "draft_vocab_size": 32000, "aux_layer_ids": [2, 30, 58],
-    "rope_theta": 1e6, "rms_norm_eps": 1e-5,
-}
-
-
-def _speculator_config(layer_config, *, draft_vocab_size: int, aux_layer_ids: list[int] | None,
-                       verifier: str | None = None, architectures: list[str] | None = None,
-                       norm_before_residual: bool = False):
-    """An ``Eagle3SpeculatorConfig`` around a transformer layer config (as ``from_training_args`` builds it,
-    without reading the verifier)."""
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-
-    return Eagle3SpeculatorConfig(
-        transformer_layer_config=layer_config, draft_vocab_size=draft_vocab_size,
-        norm_before_residual=norm_before_residual,
-        eagle_aux_hidden_state_layer_ids=list(aux_layer_ids) if aux_layer_ids else None,
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=verifier, architectures=list(architectures or []))))
-
-
-def llama_drafter_config(fields: dict[str, Any], *, draft_vocab_size: int, aux_layer_ids: list[int] | None,
-                   norm_before_residual: bool = False):
-    """One Llama layer from flat config fields (SpecForge's config.json, or :data:`KIMI_K2`)."""
-    from transformers import LlamaConfig
-
-    from draftline.train.model import LLAMA_LAYER_KEYS
-
-    keys = (*LLAMA_LAYER_KEYS, "vocab_size")
-    layer = LlamaConfig(**{k: v for k, v in fields.items() if k in keys and v is not None}, num_hidden_layers=1)
-    return _speculator_config(layer, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
-                              norm_before_residual=norm_before_residual)
-
-
-def default_config():
-    """The real Kimi-K2 EAGLE-3 drafter's shape."""
-    return llama_drafter_config(KIMI_K2, draft_vocab_size=KIMI_K2["draft_vocab_size"],
-                          aux_layer_ids=KIMI_K2["aux_layer_ids"])
-
-
-def verifier_config(verifier: str, *, draft_vocab_size: int, aux_layer_ids: list[int], layer: dict | None = None):
-    """The drafter finetune trains: the decoder layer of :func:`draftline.train.model.layer_config` (the
-    verifier's own for Llama/Qwen3 verifiers, else a Llama layer) around the verifier (config.json only)."""
-    from transformers import AutoConfig
-
-    from draftline.train.model import layer_config
-
-    vc = AutoConfig.from_pretrained(verifier)
-    fields = dict(layer or layer_config(verifier))
-    layer_cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return _speculator_config(layer_cfg, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
-                              verifier=verifier, architectures=vc.architectures)
-
-
-def load_config(source: str | Path | dict[str, Any]):
-    """A speculators config from a drafter directory, its ``config.json``, or that file's contents: the
-    speculators layout (``speculators_model_type: eagle3``) or SpecForge's (``LlamaForCausalLMEagle3`` with
-    ``draft_vocab_size``, as AQ-MedAI ships). Raises :class:`ConfigError`."""
-    if isinstance(source, dict):
-        raw, where = source, "the given config"
-    else:
-        path = Path(source).expanduser()
-        path = path / "config.json" if path.is_dir() else path
-        try:
-            raw, where = json.loads(path.read_text()), str(path)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"drafter config {path} is unreadable ({e}); pass a drafter directory or its "
-                              "config.json") from None
-    if raw.get("speculators_model_type") is not None:
-        if raw["speculators_model_type"] != "eagle3":
-            raise ConfigError(f"{where}: speculators_model_type={raw['speculators_model_type']!r}; the plan "
-                              "covers EAGLE-3 drafters only")
-        from speculators import SpeculatorModelConfig
-
-        return SpeculatorModelConfig.from_dict(raw)
-    if raw.get("draft_vocab_size") and raw.get("hidden_size"):  # SpecForge / AQ-MedAI
-        aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids")
-        return llama_drafter_config(raw, draft_vocab_size=int(raw["draft_vocab_size"]), aux_layer_ids=aux,
-                              norm_before_residual=bool(raw.get("norm_before_residual", False)))
-    raise ConfigError(f"{where} is neither a speculators EAGLE-3 config nor a SpecForge LlamaForCausalLMEagle3 "
-                      "one (no speculators_model_type, no draft_vocab_size)")
-
-
 def count_params(config) -> dict[str, Any]:
     """Exact parameter counts of the drafter ``config`` describes, built on the meta device."""
     import torch
@@ -288,6 +194,8 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
         raise ConfigError(f"precision must be bf16 or fp32, got {precision!r}")
     if zero_stage is not None and zero_stage not in STAGES:
         raise ConfigError(f"zero_stage must be one of 0-3, got {zero_stage}")
+    from draftline.drafter_shape import default_config, load_config
+
     if config is None:
         config, name = default_config(), name or "Kimi-K2 EAGLE-3 (AQ-MedAI shape)"
     elif isinstance(config, (str, Path, dict)):
@@ -322,45 +230,8 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
     }
 
 
-def _gib(n: int | None, unit: int = GIB) -> str:
+def gib(n: int | None, unit: int = GIB) -> str:
     return "-" if n is None else f"{n / unit:.2f}"
-
-
-def render(plan: dict) -> str:
-    """The plan as a plain-text table."""
-    lg, lf, a = plan["largest_layer"], plan["largest_frozen_layer"], plan["activations"]
-    big = max(s["total"] for s in plan["stages"].values()) >= GIB
-    unit, unit_name = (GIB, "GiB") if big else (1 << 20, "MiB")  # tiny drafters in MiB
-    mem = "GPU memory unknown: fit not checked" if plan["gpu_memory_gib"] is None else (
-        f"{plan['gpu_memory_gib']:g} GiB per GPU less {plan['margin']:.0%} margin = {_gib(plan['budget_bytes'])} GiB")
-    lines = [
-        f"drafter: {plan['drafter']}",
-        f"  params {plan['params']:,} = trainable {plan['trainable']:,} + frozen {plan['frozen']:,} "
-        f"({', '.join(plan['frozen_names'])})",
-        f"  largest trainable layer {lg['name']} ({lg['params']:,}); largest frozen {lf['name']} ({lf['params']:,})",
-        f"setup: {plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s); {mem}",
-        f"  {plan['precision']}, tokens_per_batch {plan['tokens_per_batch']}, ttt_steps {plan['ttt_steps']}, "
-        f"attention {a['attn_impl']}",
-        "",
-        f"  {unit_name + ' per GPU':<12}{'model states':>13}{'frozen':>9}{'activations':>13}{'total':>9}"
-        f"{'headroom':>10}  fits",
-    ]
-    for stage, s in plan["stages"].items():
-        fits = "?" if s["fits"] is None else ("yes" if s["fits"] else "NO")
-        mark = "  <- chosen" if plan["zero_stage"] is not None and int(stage) == plan["zero_stage"] else ""
-        cells = [_gib(s[k], unit) for k in ("model_states", "frozen", "activations", "total", "headroom")]
-        lines.append(f"  ZeRO-{stage:<7}{cells[0]:>13}{cells[1]:>9}{cells[2]:>13}{cells[3]:>9}{cells[4]:>10}  "
-                     f"{fits}{mark}")
-    lines += ["", "model states (P trainable params, L largest trainable layer, N GPUs in all):"]
-    lines += [f"  ZeRO-{k}: {s['source']}" for k, s in plan["stages"].items()]
-    lines += [f"  frozen params: {2 if plan['precision'] == 'bf16' else 4} bytes each on every GPU; ZeRO-3 partitions "
-              "them and gathers the largest",
-              f"activations (an estimate): {a['formula']}",
-              f"  = {plan['tokens_per_batch']} x ({plan['ttt_steps']} x {a['per_step']:,} + {a['kv_cache']:,} + "
-              f"{a['once']:,} + {a['transient']:,}) + {a['quadratic']:,} bytes",
-              "", "DeepSpeed's own estimators for the trainable params (per CPU, per GPU, every offload option):",
-              *("  " + ln for ln in plan["deepspeed_estimators"].rstrip().splitlines())]
-    return "\n".join(lines)
 
 
 def fit_error(plan: dict, stage: int) -> str | None:
@@ -375,59 +246,10 @@ def fit_error(plan: dict, stage: int) -> str | None:
     if s.get("max_tokens_per_batch", 0) >= 16:
         fixes.append(f"--tokens-per-batch {s['max_tokens_per_batch']} or less")
     fixes.append("GPUs with more memory (--gpu-memory-gib)")
-    return (f"ZeRO-{stage} does not fit: {_gib(s['total'])} GiB per GPU (model states {_gib(s['model_states'])}"
-            f" + frozen {_gib(s['frozen'])} + activations {_gib(s['activations'])}) > {_gib(plan['budget_bytes'])}"
+    return (f"ZeRO-{stage} does not fit: {gib(s['total'])} GiB per GPU (model states {gib(s['model_states'])}"
+            f" + frozen {gib(s['frozen'])} + activations {gib(s['activations'])}) > {gib(plan['budget_bytes'])}"
             f" GiB ({plan['gpu_memory_gib']:g} GiB less the {plan['margin']:.0%} margin) on {plan['nodes']} x "
             f"{plan['gpus_per_node']} GPUs; use " + ", or ".join(fixes))
-
-
-def gpu_memory_gib() -> float | None:
-    """The smallest GPU's memory on this node from ``nvidia-smi`` (no CUDA context is created), or None."""
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-        return min(float(x) for x in out.split()) / 1024 if out.split() else None
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-
-
-def hostfile_shape(path: str) -> tuple[int, int]:
-    """``(gpus_per_node, nodes)`` from a DeepSpeed hostfile (``host slots=N`` lines; the smallest slots)."""
-    hosts = [ln.split() for ln in Path(path).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-    slots = [int(w.split("=", 1)[1]) for h in hosts for w in h[1:] if w.startswith("slots=")]
-    return (min(slots) if slots else 1), max(len(hosts), 1)
-
-
-def record(cfg, ranks: int, on_cpu: bool, verifier: str, draft_vocab_size: int, aux_layer_ids: list[int],
-           run_id: str, layer: dict | None = None) -> None:
-    """Finetune's hook: plan the run about to launch, print it to stderr, log ``plan.json`` and the param
-    ``plan.fits`` (true | false | unchecked, without a GPU | error). Never stops the launch."""
-    import mlflow
-
-    from draftline.tracking import log_params_once
-
-    try:
-        gpus, nodes = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, 1)
-        config = verifier_config(verifier, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
-                                 layer=layer)
-        plan = make_plan(config, gpus=gpus, nodes=nodes, gpu_memory_gib=None if on_cpu else gpu_memory_gib(),
-                         tokens_per_batch=cfg.tokens_per_batch, ttt_steps=cfg.ttt_steps, precision=cfg.precision,
-                         attn_impl=cfg.attn_impl, zero_stage=cfg.zero_stage,
-                         name=f"verifier {verifier}, draft vocabulary {draft_vocab_size}")
-    except Exception as e:  # noqa: BLE001 (an estimate must not stop a training run)
-        print(f"[draftline] plan: not computed ({type(e).__name__}: {e})", file=sys.stderr)
-        fits = "error"
-    else:
-        print(render(plan), file=sys.stderr)
-        err = fit_error(plan, cfg.zero_stage)
-        if err:
-            print(f"[draftline] plan: WARNING {err}", file=sys.stderr)
-        fits = "unchecked" if plan["fits"] is None else str(plan["fits"]).lower()
-        mlflow.log_dict(plan, "plan.json")
-    if "plan.fits" not in mlflow.get_run(run_id).data.params:  # a resumed run keeps its first plan's verdict
-        log_params_once({"plan.fits": fits}, run_id)
 
 
 def check(plan: dict, stage: int) -> None:

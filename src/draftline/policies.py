@@ -43,9 +43,9 @@ class RuleResult:
 
 
 def policy_path(stage: str) -> Path:
-    from draftline.parents import repo_root
+    from draftline.config import shipped
 
-    return repo_root() / "registry_policies" / f"{stage.lower()}.yaml"
+    return shipped("registry_policies", f"{stage.lower()}.yaml")
 
 
 def load_policy(path: Path | str) -> Policy:

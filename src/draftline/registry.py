@@ -14,15 +14,14 @@ import logging
 import os
 import random
 import re
-import socket
 import shlex
+import socket
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from draftline.errors import RegistryError, VerificationError
 
-STAGES = ("Staging", "Production", "Archived", "None")
 log = logging.getLogger(__name__)
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/@]+)|@(?P<alias>[^/@]+))/?$")
 
@@ -223,28 +222,6 @@ def _converge(client, name: str, stage: str, rounds: int = 20):
 def format_results(results) -> str:
     width = max(len(r.rule) for r in results)
     return "\n".join(f"  {'PASS' if r.passed else 'FAIL'}  {r.rule.ljust(width)}  {r.detail}" for r in results)
-
-
-def verify_dir(directory: Path) -> dict[str, str]:
-    """Check every file against ``checksums.json``; refuse missing, extra-path or altered files."""
-    from draftline.checkpoints import file_sha256
-    from draftline.transfer import CHECKSUMS
-
-    path = directory / CHECKSUMS
-    if not path.is_file():
-        raise VerificationError(f"{directory} has no {CHECKSUMS}: not a draftline export, refusing it")
-    manifest = json.loads(path.read_text())
-    root = directory.resolve()
-    for name, digest in manifest.items():
-        target = (directory / name).resolve()
-        if root not in target.parents:
-            raise VerificationError(f"{CHECKSUMS} names {name!r}, which escapes {directory}; refusing it")
-        if not target.is_file():
-            raise VerificationError(f"{name} is missing from the download of {directory}")
-        if file_sha256(target) != digest:
-            raise VerificationError(f"{name} does not match its sha256 in {CHECKSUMS}: the download was altered "
-                                    "or corrupted; refusing it")
-    return manifest
 
 
 def vllm_command(directory: Path, verifier: str, num_speculative_tokens: int = 3) -> tuple[str, dict]:

@@ -26,6 +26,7 @@ from pathlib import Path, PurePosixPath
 
 from draftline.config import cache_root
 from draftline.errors import VerificationError
+from draftline.util import atomic_write_text, file_sha256
 
 CHECKSUMS = "checksums.json"
 _CHUNK = 8 << 20
@@ -75,8 +76,6 @@ def download_verified(uri: str, name: str, digest: str, into: Path, on_bytes=Non
         hasher.join()
     got = hasher.digest if local == target and hasher.size == local.stat().st_size else None
     if got != digest:  # a store that writes out of order or renames at the end: hash the file once more
-        from draftline.checkpoints import file_sha256
-
         got = file_sha256(local)
     if got != digest:
         local.unlink(missing_ok=True)
@@ -111,9 +110,7 @@ class BlobCache:
         file.chmod(0o444)
         os.replace(file, blob)
         st = blob.stat()
-        tmp = stat.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns}))
-        os.replace(tmp, stat)
+        atomic_write_text(stat, json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns}))
         return blob
 
     def scratch(self) -> tempfile.TemporaryDirectory:

@@ -1,4 +1,4 @@
-"""The vLLM capture backend against draftline.tiny_server's emulation of vLLM's hidden-state extraction
+"""The vLLM capture backend against draftline.testing.tiny_server's emulation of vLLM's hidden-state extraction
 (speculators' protocol, computed with transformers): vLLM itself needs a GPU."""
 
 import pytest
@@ -8,7 +8,7 @@ from draftline.config import PrepareConfig
 from draftline.data.prepare import build_data
 from draftline.data.shards import open_prepared
 from draftline.errors import DataError
-from draftline.tiny_server import serve_in_thread
+from draftline.testing.tiny_server import serve_in_thread
 
 from ..conftest import DEMO
 

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from draftline.train.model import build_draft_model, layer_config
+from draftline.drafter_shape import layer_config
+from draftline.train.model import build_draft_model
 
 
 @pytest.fixture(scope="module")

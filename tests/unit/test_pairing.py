@@ -8,8 +8,15 @@ import torch
 from speculators.models.eagle3 import shift_batch
 
 from draftline.data.shards import open_prepared
-from draftline.train.model import accumulate, build_draft_model, forward, loss_config, pack, summarise
-from draftline.train.model import train_steps_in_process
+from draftline.train.model import (
+    accumulate,
+    build_draft_model,
+    forward,
+    loss_config,
+    pack,
+    summarise,
+    train_steps_in_process,
+)
 
 
 def _sample(n: int, seed: int, hidden: int = 6) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from draftline import plan
+from draftline import drafter_shape, plan
 from draftline.cli import cli
 
 GIB = 1 << 30
@@ -82,7 +82,7 @@ def test_activation_estimate_matches_what_autograd_saves():
     h, v, dv, t, k = 256, 4096, 1024, 256, 3
     shape = dict(hidden_size=h, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                  vocab_size=v)
-    cfg = plan.llama_drafter_config(shape, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
+    cfg = drafter_shape.llama_drafter_config(shape, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
     est = plan.activation_bytes(plan.count_params(cfg)["shape"], t, k, "bf16", "sdpa")
     cfg.transformer_layer_config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -112,7 +112,7 @@ def test_activation_estimate_matches_what_autograd_saves():
 
 def test_configs_from_disk_speculators_and_specforge(tmp_path, kimi):
     spec_dir = tmp_path / "speculators"
-    plan.default_config().save_pretrained(str(spec_dir))
+    drafter_shape.default_config().save_pretrained(str(spec_dir))
     from_dir = plan.make_plan(spec_dir, gpu_memory_gib=None)
     assert (from_dir["params"], from_dir["trainable"]) == (kimi["params"], kimi["trainable"])
     specforge = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
@@ -155,6 +155,7 @@ def test_finetune_hook_logs_plan_json_and_fits(tmp_path, monkeypatch):
     from transformers import LlamaConfig
 
     from draftline.config import FinetuneConfig
+    from draftline.train.finetune import record_plan
 
     verifier = tmp_path / "verifier"
     LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -162,8 +163,8 @@ def test_finetune_hook_logs_plan_json_and_fits(tmp_path, monkeypatch):
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     cfg = FinetuneConfig(data=str(tmp_path), gpus=2, zero_stage=3, tokens_per_batch=256)
     with mlflow.start_run() as active:
-        plan.record(cfg, 2, True, str(verifier), 128, [1, 3, 4], active.info.run_id)
-        plan.record(cfg, 2, True, str(verifier), 128, [1, 3, 4], active.info.run_id)  # a resume: no clash
+        record_plan(cfg, 2, True, str(verifier), 128, [1, 3, 4], active.info.run_id)
+        record_plan(cfg, 2, True, str(verifier), 128, [1, 3, 4], active.info.run_id)  # a resume: no clash
     got = mlflow.artifacts.load_dict(f"runs:/{active.info.run_id}/plan.json")
     assert got["zero_stage"] == 3 and got["gpus_per_node"] == 2 and got["fits"] is None
     assert got["shape"]["hidden_size"] == 64 and got["shape"]["draft_vocab_size"] == 128

@@ -1,11 +1,10 @@
-"""Regeneration through an OpenAI-compatible endpoint: the tiny verifier served by draftline.tiny_server on
+"""Regeneration through an OpenAI-compatible endpoint: the tiny verifier served by draftline.testing.tiny_server on
 loopback (a real FastAPI/uvicorn server, no mocks)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import socket
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ import torch
 from draftline.data.conversations import load_conversations
 from draftline.data.regenerate import cache_dir, regenerate
 from draftline.errors import DataError
-from draftline.tiny_server import serve_in_thread
+from draftline.testing.tiny_server import serve_in_thread
+from draftline.util import free_port
 
 from ..conftest import DEMO
 
@@ -34,9 +34,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def _dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    return f"http://127.0.0.1:{free_port()}/v1"
 
 
 def test_assistant_turns_become_the_verifiers_greedy_replies_and_user_turns_stay(tiny, cache):

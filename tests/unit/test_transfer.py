@@ -6,7 +6,6 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from mlflow import MlflowClient
 
 from draftline.errors import VerificationError
 from draftline.export import CHECKSUMS, sha256_manifest

@@ -11,7 +11,7 @@ record and deletes it. The files are written by the server, so its output direct
 Start the server as speculators documents it (``speculators generate-offline-data --help`` and its README):
 the layers it extracts must be the aux layers draftline records, plus the last.
 
-It cannot run on a machine without a GPU; the tests drive it against ``draftline.tiny_server``, which answers
+It cannot run on a machine without a GPU; the tests drive it against ``draftline.testing.tiny_server``, which answers
 the same protocol with the tiny verifier's transformers hidden states (an emulation, not vLLM).
 """
 

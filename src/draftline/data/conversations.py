@@ -88,7 +88,7 @@ def _records_from_json(path: Path) -> tuple[list[tuple[int, object]], list[tuple
 
 def source_digest(path: Path | str) -> str:
     """sha256 of the input: the file's bytes, or every file of a dataset directory (names and bytes)."""
-    from draftline.checkpoints import file_sha256
+    from draftline.util import file_sha256
 
     path = Path(path)
     if path.is_file():

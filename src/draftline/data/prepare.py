@@ -183,8 +183,8 @@ def _regenerate(cfg: PrepareConfig, samples: list[dict], progress: bool) -> dict
 def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
     """The prepare stage as one MLflow run. Returns ``{"run_id", "data_uri", "digest"}``."""
     import mlflow
-    from mlflow.data.meta_dataset import MetaDataset
     from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
 
     from draftline import lineage, tracking
 

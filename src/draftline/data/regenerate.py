@@ -24,10 +24,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from draftline.checkpoints import file_sha256
 from draftline.config import cache_root
 from draftline.errors import DataError
 from draftline.locks import exclusive
+from draftline.util import atomic_write_text, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +221,7 @@ def regenerate(samples: list[dict], endpoint: str, *, model: str | None = None, 
                    busy=f"another run is regenerating into {partial}: wait for it to finish"):
         reused, whole = _read(partial, len(samples)) if partial.is_file() else ({}, True)
         if not whole:  # drop a torn line before appending after it
-            tmp = partial.with_name(partial.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in reused.values()))
-            os.replace(tmp, partial)
+            atomic_write_text(partial, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in reused.values()))
         todo = [i for i in range(len(samples)) if i not in reused]
         if todo:
             log.info("regenerating %d conversations with %s at %s (%d already done)", len(todo), model, shown,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from draftline.checkpoints import file_sha256
 from draftline.errors import DataError
+from draftline.util import atomic_write_text, file_sha256
 
 MANIFEST = "manifest.json"
 FREQS = "token_freqs.safetensors"
@@ -114,9 +114,8 @@ class ShardWriter:
             entry = write_shard(self.out_dir / f"shard-{len(self.entries):05d}.safetensors", self.pending)
             self.entries.append(entry)
             self.pending, self.pending_tokens = [], 0
-            tmp = self.out_dir / (PROGRESS + ".tmp")
-            tmp.write_text(json.dumps({"key": self.key, "shards": self.entries}, indent=1))
-            os.replace(tmp, self.out_dir / PROGRESS)
+            atomic_write_text(self.out_dir / PROGRESS, json.dumps({"key": self.key, "shards": self.entries},
+                                                                   indent=1))
 
 
 def data_digest(manifest: dict) -> str:
@@ -128,9 +127,7 @@ def data_digest(manifest: dict) -> str:
 
 def write_manifest(out_dir: Path, manifest: dict) -> dict:
     manifest = {**manifest, "digest": data_digest(manifest)}
-    tmp = out_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out_dir / MANIFEST)
+    atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 from draftline.config import FinetuneConfig, work_dir
+from draftline.drafter_shape import aux_layer_ids, key_remap, layer_config
 from draftline.errors import CheckpointError, DataError
-from draftline.train.model import LAYER_FILE, PAIRING, layer_config
+from draftline.train.model import LAYER_FILE, PAIRING
+from draftline.train.spec import WorkerSpec
 
 
 def resolve_data(ref: str, dest: Path) -> Path:
@@ -39,9 +42,9 @@ def resolve_data(ref: str, dest: Path) -> Path:
 
 
 def ds_config(cfg: FinetuneConfig) -> dict:
-    from draftline.parents import repo_root
+    from draftline.config import shipped
 
-    path = Path(cfg.ds_config) if cfg.ds_config else repo_root() / "configs" / f"zero{max(cfg.zero_stage, 1)}.json"
+    path = Path(cfg.ds_config) if cfg.ds_config else shipped("configs", f"zero{max(cfg.zero_stage, 1)}.json")
     try:
         conf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -59,6 +62,18 @@ def ds_config(cfg: FinetuneConfig) -> dict:
     return conf
 
 
+def optimizer_params(conf: dict) -> dict[str, object]:
+    """The optimiser's settings as the resolved DeepSpeed config runs them (a custom ``--ds-config`` included)."""
+    opt = conf.get("optimizer") or {}
+    p = opt.get("params") or {}
+    sched = (conf.get("scheduler") or {}).get("params") or {}
+    return {"optimizer.name": opt.get("type", "none"), "optimizer.lr": p.get("lr"),
+            "optimizer.betas": tuple(p["betas"]) if "betas" in p else None, "optimizer.eps": p.get("eps"),
+            "optimizer.weight_decay": p.get("weight_decay"),
+            "optimizer.warmup_steps": sched.get("warmup_num_steps"),
+            "optimizer.grad_clip": conf.get("gradient_clipping")}
+
+
 def check_parent_fits_data(name: str, header: dict, manifest: dict) -> None:
     """Refuse, before any rank starts, data prepared with a verifier of another shape than the parent's."""
     theirs = {}
@@ -74,13 +89,6 @@ def check_parent_fits_data(name: str, header: dict, manifest: dict) -> None:
         raise DataError(f"parent {name} was trained for a verifier with {got}, but the data was prepared with "
                         f"{manifest.get('verifier_name') or manifest['verifier']} ({want}): prepare the data with "
                         "the parent's verifier, or choose a parent made for this one")
-
-
-def parent_aux_layers(config: dict) -> list[int] | None:
-    for holder in (config, config.get("eagle_config") or {}):
-        if holder.get("eagle_aux_hidden_state_layer_ids"):
-            return list(holder["eagle_aux_hidden_state_layer_ids"])
-    return None
 
 
 def choose_vocab(cfg: FinetuneConfig, files, data, verifier_vocab: int) -> tuple[dict, dict[str, int]]:
@@ -140,6 +148,43 @@ def log_accuracy_chart(run_id: str, ttt_steps: int) -> None:
     plt.close(fig)
 
 
+def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, draft_vocab_size: int,
+                aux_layer_ids: list[int], run_id: str, layer: dict | None = None) -> None:
+    """Plan the run about to launch (``draftline plan``'s estimate), print one line to stderr, log ``plan.json``
+    and the param ``plan.fits`` (true | false | unchecked, without a GPU | error). Never stops the launch."""
+    import mlflow
+
+    from draftline import plan as planning
+    from draftline.drafter_shape import verifier_config
+    from draftline.tracking import log_params_once
+    from draftline.train.launcher import gpu_memory_gib, hostfile_shape
+
+    try:
+        gpus, nodes = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, 1)
+        config = verifier_config(verifier, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
+                                 layer=layer)
+        plan = planning.make_plan(config, gpus=gpus, nodes=nodes,
+                                  gpu_memory_gib=None if on_cpu else gpu_memory_gib(),
+                                  tokens_per_batch=cfg.tokens_per_batch, ttt_steps=cfg.ttt_steps,
+                                  precision=cfg.precision, attn_impl=cfg.attn_impl, zero_stage=cfg.zero_stage,
+                                  name=f"verifier {verifier}, draft vocabulary {draft_vocab_size}")
+    except Exception as e:  # noqa: BLE001 (an estimate must not stop a training run)
+        print(f"[draftline] plan: not computed ({type(e).__name__}: {e})", file=sys.stderr)
+        fits = "error"
+    else:
+        stage = plan["stages"][str(cfg.zero_stage)]
+        fits = "unchecked" if plan["fits"] is None else str(plan["fits"]).lower()
+        print(f"[draftline] plan: ZeRO-{cfg.zero_stage} needs {planning.gib(stage['total'])} GiB per GPU "
+              f"({plan['trainable']:,} trainable parameters); fits: {fits}. Full table: plan.json in the run, "
+              "or `draftline plan`", file=sys.stderr)
+        err = planning.fit_error(plan, cfg.zero_stage)
+        if err:
+            print(f"[draftline] plan: WARNING {err}", file=sys.stderr)
+        mlflow.log_dict(plan, "plan.json")
+    if "plan.fits" not in mlflow.get_run(run_id).data.params:  # a resumed run keeps its first plan's verdict
+        log_params_once({"plan.fits": fits}, run_id)
+
+
 def refuse_unpaired_resume(run_id: str) -> None:
     """A run started before draftline trained in vLLM's pairing cannot be continued in it."""
     from mlflow import MlflowClient
@@ -156,7 +201,6 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     from safetensors.torch import save_file
 
     from draftline import lineage, tracking
-    from draftline import plan as memory_plan
     from draftline.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
     from draftline.data.shards import open_prepared
     from draftline.parents import resolve_init
@@ -174,15 +218,15 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
         manifest = data.manifest
 
         parent = resolve_init(cfg.init, cache=work_dir() / "cache")
-        files, layout, sha, key_remap = None, "none", "none", "none"
+        files, layout, sha, remap = None, "none", "none", "none"
         if not parent.is_random:
             files = find_checkpoint(parent.path, allow_pickle=cfg.allow_pickle)
             header = read_header(files)
             layout = detect_layout(header)
             check_parent_fits_data(parent.name, header, manifest)
-            key_remap = "midlayer.->layers.0." if layout == "midlayer" else "none"
+            remap = key_remap(layout)
             sha = sha256_files(files.weights)
-            p_aux = parent_aux_layers(files.config)
+            p_aux = aux_layer_ids(files.config)
             if p_aux and p_aux != manifest["aux_layer_ids"]:
                 raise DataError(f"parent {parent.name} reads aux layers {p_aux} but the data has "
                                 f"{manifest['aux_layer_ids']}: prepare the data with --aux-layers "
@@ -192,8 +236,9 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
         vocab_file = work / "vocab.safetensors"
         save_file({"d2t": vocab["d2t"].contiguous(), "t2d": vocab["t2d"].contiguous()}, str(vocab_file))
 
+        conf = ds_config(cfg)
         params = {
-            **lineage.parent_params(parent, sha256=sha, layout=layout, key_remap=key_remap),
+            **lineage.parent_params(parent, sha256=sha, layout=layout, key_remap=remap),
             "vocab.policy": cfg.vocab if not parent.is_random else "rebuild",
             "vocab.draft_size": counts["draft_size"],
             "vocab.kept": counts["kept"], "vocab.added": counts["added"], "vocab.dropped": counts["dropped"],
@@ -204,9 +249,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             "zero.stage": cfg.zero_stage,
             "world_size": ranks,
             "ttt_steps": cfg.ttt_steps,
-            "optimizer.name": "AdamW", "optimizer.lr": cfg.lr, "optimizer.betas": "(0.9, 0.95)",
-            "optimizer.weight_decay": cfg.weight_decay, "optimizer.warmup_steps": cfg.warmup_steps,
-            "optimizer.grad_clip": cfg.grad_clip,
+            **optimizer_params(conf),
             "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
             "train.precision": cfg.precision, "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl,
             "train.val_fraction": cfg.val_fraction,
@@ -219,20 +262,18 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
 
         ckpt_dir = work / "checkpoints"
         ckpt_dir.mkdir(exist_ok=True)
-        spec = {
-            "run_id": run_id, "data_dir": str(data.root), "verifier": manifest["verifier"],
-            "aux_layer_ids": manifest["aux_layer_ids"], "vocab_file": str(vocab_file),
-            "vocab_policy": cfg.vocab, "parent_path": str(parent.path) if parent.path else None,
-            "allow_pickle": cfg.allow_pickle, "steps": cfg.steps, "ttt_steps": cfg.ttt_steps,
-            "tokens_per_batch": cfg.tokens_per_batch, "precision": cfg.precision, "seed": cfg.seed,
-            "save_every": cfg.save_every, "log_every": cfg.log_every, "attn_impl": cfg.attn_impl,
-            "val_fraction": cfg.val_fraction, "val_every": cfg.val_every,
-            "ds_config": ds_config(cfg), "checkpoint_dir": str(ckpt_dir), "layer": layer,
-            "load_report": str(work / "parent_load_report.json"), "error_file": str(work / "rank_error.json"),
-        }
+        spec = WorkerSpec(
+            run_id=run_id, data_dir=str(data.root), verifier=manifest["verifier"],
+            aux_layer_ids=manifest["aux_layer_ids"], layer=layer, vocab_file=str(vocab_file),
+            vocab_policy=cfg.vocab, parent_path=str(parent.path) if parent.path else None,
+            allow_pickle=cfg.allow_pickle, steps=cfg.steps, ttt_steps=cfg.ttt_steps,
+            tokens_per_batch=cfg.tokens_per_batch, precision=cfg.precision, seed=cfg.seed,
+            save_every=cfg.save_every, log_every=cfg.log_every, attn_impl=cfg.attn_impl,
+            val_fraction=cfg.val_fraction, val_every=cfg.val_every, ds_config=conf, checkpoint_dir=str(ckpt_dir),
+            load_report=str(work / "parent_load_report.json"), error_file=str(work / "rank_error.json"))
         (ckpt_dir / LAYER_FILE).write_text(json.dumps(layer, indent=2, sort_keys=True) + "\n")  # export reads it
-        memory_plan.record(cfg, ranks, on_cpu, manifest["verifier"], counts["draft_size"], manifest["aux_layer_ids"],
-                           run_id, layer)  # prints the plan, logs plan.json and plan.fits
+        record_plan(cfg, ranks, on_cpu, manifest["verifier"], counts["draft_size"], manifest["aux_layer_ids"],
+                    run_id, layer)  # prints one line, logs plan.json and plan.fits
         launch(spec, work / "worker_spec.json", ranks=ranks, on_cpu=on_cpu, hostfile=cfg.hostfile)
 
         meta = lineage.training_metadata(params, counts, extra={"finetune_run_id": run_id,

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from draftline.errors import DraftlineError, TrainingError
+from draftline.train.spec import WorkerSpec
+from draftline.util import free_port
 
 
 def gpu_count() -> int:
@@ -26,6 +28,25 @@ def gpu_count() -> int:
         return 0
 
 
+def gpu_memory_gib() -> float | None:
+    """The smallest GPU's memory on this node from ``nvidia-smi`` (no CUDA context is created), or None."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return min(float(x) for x in out.split()) / 1024 if out.split() else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def hostfile_shape(path: str) -> tuple[int, int]:
+    """``(gpus_per_node, nodes)`` from a DeepSpeed hostfile (``host slots=N`` lines; the smallest slots)."""
+    hosts = [ln.split() for ln in Path(path).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    slots = [int(w.split("=", 1)[1]) for h in hosts for w in h[1:] if w.startswith("slots=")]
+    return (min(slots) if slots else 1), max(len(hosts), 1)
+
+
 def resolve_ranks(gpus: int) -> tuple[int, bool]:
     """``(ranks, on_cpu)``: gpus=0 means every GPU, or one CPU rank where there is none."""
     available = gpu_count()
@@ -35,12 +56,6 @@ def resolve_ranks(gpus: int) -> tuple[int, bool]:
         raise TrainingError(f"gpus={gpus} but this node has {available} GPU(s); pass gpus<={available} "
                             "or a hostfile for more nodes")
     return gpus or available, False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(spec_path: Path, ranks: int, hostfile: str | None, port: int) -> list[str]:
@@ -56,10 +71,10 @@ def command(spec_path: Path, ranks: int, hostfile: str | None, port: int) -> lis
     return cmd
 
 
-def launch(spec: dict, spec_path: Path, *, ranks: int, on_cpu: bool, hostfile: str | None = None) -> None:
+def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostfile: str | None = None) -> None:
     """Run the ranks to completion; a failing rank's message is raised here (a DraftlineError stays one)."""
-    spec_path.write_text(json.dumps(spec, indent=2))
-    error_file = Path(spec["error_file"])
+    spec.write(spec_path)
+    error_file = Path(spec.error_file)
     error_file.unlink(missing_ok=True)
     env = dict(os.environ)
     if on_cpu:

@@ -10,60 +10,19 @@ DEFAULT_DTYPE = torch.bfloat16
 
 
 LAYER_FILE = "layer_config.json"  # beside the DeepSpeed checkpoint: the layer the run trained
-SUPPORTED_LAYERS = ("llama", "qwen3")  # the decoder layers speculators' Eagle3DraftModel can build
-LLAMA_LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "rms_norm_eps", "max_position_embeddings", "hidden_act", "attention_bias", "rope_theta",
-               "rope_scaling", "rope_parameters")
-
-
-def layer_config(verifier_name_or_path: str, parent_config: dict | None = None) -> dict:
-    """The drafter's one decoder layer, as a config dict (``model_type`` included) that travels with the run.
-
-    A Llama or Qwen3 verifier lends its own layer config, as EAGLE-3 prescribes. Any other verifier (Kimi-K2 is
-    ``deepseek_v3``, whose MLA/MoE layer speculators cannot build) gets a Llama layer: the parent's when the
-    parent says what it is (AQ-MedAI's config.json is a ``LlamaForCausalLMEagle3`` layer), else one derived
-    from the verifier's sizes (heads of ``v_head_dim``, the verifier's dense MLP width).
-    """
-    from transformers import AutoConfig
-
-    verifier = AutoConfig.from_pretrained(verifier_name_or_path)
-    verifier = getattr(verifier, "text_config", verifier)
-    if verifier.model_type in SUPPORTED_LAYERS:
-        out = verifier.to_dict()
-    else:
-        fields = _parent_layer_fields(parent_config) or {
-            "hidden_size": verifier.hidden_size, "intermediate_size": verifier.intermediate_size,
-            "num_attention_heads": verifier.num_attention_heads,
-            "num_key_value_heads": verifier.num_attention_heads,
-            "head_dim": getattr(verifier, "v_head_dim", None) or verifier.hidden_size // verifier.num_attention_heads,
-            "rms_norm_eps": verifier.rms_norm_eps, "max_position_embeddings": verifier.max_position_embeddings,
-            "hidden_act": "silu", "rope_parameters": getattr(verifier, "rope_parameters", None)}
-        out = {"model_type": "llama", **{k: v for k, v in fields.items() if k in LLAMA_LAYER_KEYS and v is not None}}
-    out.update(num_hidden_layers=1, vocab_size=verifier.vocab_size)
-    return out
-
-
-def _parent_layer_fields(config: dict | None) -> dict | None:
-    if not config:
-        return None
-    if isinstance(config.get("transformer_layer_config"), dict):  # speculators layout
-        return config["transformer_layer_config"]
-    if config.get("model_type") == "llama" and config.get("hidden_size"):  # SpecForge / AQ-MedAI layout
-        return config
-    return None
-
-
 def build_draft_model(verifier_name_or_path: str, *, d2t: torch.Tensor, t2d: torch.Tensor,
                       aux_layer_ids: list[int], draft_vocab_size: int, ttt_steps: int = 3,
                       attn_impl: str = "sdpa", dtype: torch.dtype = DEFAULT_DTYPE,
                       norm_before_residual: bool = False, layer: dict | None = None):
     """A fresh drafter (random trainable weights, verifier embeddings and lm_head rows), cast to ``dtype``.
 
-    ``layer`` is the decoder layer config (:func:`layer_config`; default: the verifier's own, with one layer).
+    ``layer`` is the decoder layer config (:func:`draftline.drafter_shape.layer_config`; default: the verifier's own, with one layer).
     ``sdpa``/``eager`` attention train on the CPU, where speculators' default flex attention does not.
     """
     from speculators.models.eagle3 import Eagle3DraftModel
     from transformers import AutoConfig
+
+    from draftline.drafter_shape import layer_config
 
     layer = dict(layer or layer_config(verifier_name_or_path))
     layer_cfg = AutoConfig.for_model(layer.pop("model_type"), **layer)

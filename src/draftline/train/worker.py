@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from draftline.train.spec import WorkerSpec
+
 
 def _log_metrics(client, run_id: str, metrics: dict[str, float], step: int) -> None:
     from mlflow.entities import Metric
@@ -54,25 +56,25 @@ def validate(engine, val_records, spec, device, dtype, cfg, rank: int, world: in
 
     engine.eval()
     lengths = [int(r["input_ids"].numel()) for r in val_records]
-    chunks = sorted(batch_plan(lengths, spec["tokens_per_batch"], seed=0, epoch=0))
+    chunks = sorted(batch_plan(lengths, spec.tokens_per_batch, seed=0, epoch=0))
     sums: dict[str, float] = {}
     for i in range(-(-len(chunks) // world)):
         idx = i * world + rank
         batch = pack([val_records[j] for j in chunks[idx if idx < len(chunks) else 0]], device)
         batch["hidden_states"] = batch["hidden_states"].to(dtype)
         batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(dtype)
-        _, metrics = forward(engine, batch, spec["ttt_steps"], cfg)
+        _, metrics = forward(engine, batch, spec.ttt_steps, cfg)
         if idx < len(chunks):
             accumulate(sums, metrics)
-    return summarise(_all_reduce_sums(sums), spec["ttt_steps"])
+    return summarise(_all_reduce_sums(sums), spec.ttt_steps)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--spec", required=True)
     args = ap.parse_args(argv)
-    spec = json.loads(Path(args.spec).read_text())
-    error_file = Path(spec["error_file"])
+    spec = WorkerSpec.read(args.spec)
+    error_file = Path(spec.error_file)
     try:
         train(spec)
     except BaseException as e:  # the launcher only sees exit codes: leave the message for the parent
@@ -86,15 +88,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(spec: dict) -> None:
+def train(spec: WorkerSpec) -> None:
     import deepspeed
     from mlflow import MlflowClient
 
     from draftline.checkpoints import find_checkpoint, load_into_model
     from draftline.data.shards import open_prepared
     from draftline.train.batches import batches, prefetch
-    from draftline.train.model import (accumulate, build_draft_model, forward, loss_config, pack, summarise,
-                                       trainable_parameters)
+    from draftline.train.model import (
+        accumulate,
+        build_draft_model,
+        forward,
+        loss_config,
+        pack,
+        summarise,
+        trainable_parameters,
+    )
 
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
@@ -103,43 +112,43 @@ def train(spec: dict) -> None:
     device = torch.device(f"cuda:{local_rank}") if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    torch.manual_seed(spec["seed"])
-    dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
+    torch.manual_seed(spec.seed)
+    dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
 
     # data: every rank memory-maps the same shards and takes its own batches
-    data = open_prepared(Path(spec["data_dir"]))
-    records, val_records = split_validation(data.records(), spec["val_fraction"])
+    data = open_prepared(Path(spec.data_dir))
+    records, val_records = split_validation(data.records(), spec.val_fraction)
 
     # model: built, cast, then the parent's weights copied in (never under zero.Init; see DESIGN.md)
     from safetensors.torch import load_file
 
-    vocab = load_file(spec["vocab_file"])
-    model = build_draft_model(spec["verifier"], d2t=vocab["d2t"], t2d=vocab["t2d"],
-                              aux_layer_ids=spec["aux_layer_ids"], draft_vocab_size=int(vocab["d2t"].numel()),
-                              ttt_steps=spec["ttt_steps"], attn_impl=spec["attn_impl"], dtype=dtype,
-                              layer=spec.get("layer"))
-    if spec.get("parent_path"):
-        parent_files = find_checkpoint(spec["parent_path"], allow_pickle=spec["allow_pickle"])
+    vocab = load_file(spec.vocab_file)
+    model = build_draft_model(spec.verifier, d2t=vocab["d2t"], t2d=vocab["t2d"],
+                              aux_layer_ids=spec.aux_layer_ids, draft_vocab_size=int(vocab["d2t"].numel()),
+                              ttt_steps=spec.ttt_steps, attn_impl=spec.attn_impl, dtype=dtype,
+                              layer=spec.layer)
+    if spec.parent_path:
+        parent_files = find_checkpoint(spec.parent_path, allow_pickle=spec.allow_pickle)
         remap = None
-        if spec["vocab_policy"] == "rebuild":
+        if spec.vocab_policy == "rebuild":
             from speculators.utils.loading import load_model_layers
 
             from draftline.checkpoints import read_tensors
             from draftline.vocab import plan_remap, remap_lm_head
 
             old_d2t = read_tensors(parent_files, {"d2t"})["d2t"]
-            full_head = load_model_layers(["lm_head.weight"], spec["verifier"])["lm_head.weight"]
+            full_head = load_model_layers(["lm_head.weight"], spec.verifier)["lm_head.weight"]
             plan = plan_remap(old_d2t, vocab["d2t"])
             remap = lambda old: remap_lm_head(old, plan, vocab["d2t"], full_head)  # noqa: E731
         report = load_into_model(model, parent_files, lm_head_remap=remap)
         if rank == 0:
-            Path(spec["load_report"]).write_text(json.dumps(report.__dict__, indent=2))
+            Path(spec.load_report).write_text(json.dumps(report.__dict__, indent=2))
     model.to(device)
 
-    ds_config = spec["ds_config"]
+    ds_config = spec.ds_config
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model),
                                            config=ds_config)
-    ckpt_dir = Path(spec["checkpoint_dir"])
+    ckpt_dir = Path(spec.checkpoint_dir)
     start_step = 0
     if (ckpt_dir / "latest").is_file():
         _, client_state = engine.load_checkpoint(str(ckpt_dir))
@@ -149,10 +158,10 @@ def train(spec: dict) -> None:
 
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
-    client = MlflowClient() if rank == 0 and spec.get("run_id") else None
+    client = MlflowClient() if rank == 0 and spec.run_id else None
     cfg = loss_config()
-    steps, ttt = spec["steps"], spec["ttt_steps"]
-    stream = batches(records, spec["tokens_per_batch"], seed=spec["seed"], rank=rank, world_size=world,
+    steps, ttt = spec.steps, spec.ttt_steps
+    stream = batches(records, spec.tokens_per_batch, seed=spec.seed, rank=rank, world_size=world,
                      start_step=start_step)
     pin = (lambda b: {k: v.pin_memory() for k, v in b.items()}) if on_gpu else (lambda b: b)
     packed = prefetch(pin(pack(records_of_step)) for records_of_step in stream)
@@ -168,7 +177,7 @@ def train(spec: dict) -> None:
         engine.step()
         step += 1
         window_tokens += int(batch["input_ids"].numel())
-        if step % spec["log_every"] == 0 or step == steps:
+        if step % spec.log_every == 0 or step == steps:
             sums = accumulate({"tokens": float(window_tokens)}, metrics)
             sums = _all_reduce_sums(sums)
             elapsed = time.perf_counter() - tick
@@ -176,14 +185,14 @@ def train(spec: dict) -> None:
                 out = {f"train/{k}": v for k, v in summarise(sums, ttt).items() if not k.startswith("tokens")}
                 out["train/lr"] = engine.get_lr()[0]
                 out["train/tokens_per_s"] = sums["tokens"] / max(elapsed, 1e-9)
-                _log_metrics(client, spec["run_id"], out, step)
+                _log_metrics(client, spec.run_id, out, step)
             tick, window_tokens = time.perf_counter(), 0
-        if val_records and (step % spec["val_every"] == 0 or step == steps):
+        if val_records and (step % spec.val_every == 0 or step == steps):
             val = validate(engine, val_records, spec, device, dtype, cfg, rank, world)
             if client:
-                _log_metrics(client, spec["run_id"], {f"val/{k}": v for k, v in val.items()}, step)
+                _log_metrics(client, spec.run_id, {f"val/{k}": v for k, v in val.items()}, step)
             engine.train()
-        if step % spec["save_every"] == 0 or step == steps or stop["now"]:
+        if step % spec.save_every == 0 or step == steps or stop["now"]:
             engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
             if rank == 0:  # keep the newest checkpoint only (save_checkpoint ends with a barrier)
                 for old in ckpt_dir.glob("step*"):

@@ -95,29 +95,6 @@ def build_verifier(tokenizer, *, hidden_size, intermediate_size, num_hidden_laye
     return model.eval()
 
 
-def specforge_config(verifier_config, *, draft_vocab_size: int, aux_layer_ids: list[int]) -> dict:
-    """A ``config.json`` shaped like the one SpecForge writes for AQ-MedAI/Kimi-K2-Instruct-eagle3."""
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "hidden_size": verifier_config.hidden_size,
-        "intermediate_size": verifier_config.intermediate_size,
-        "num_attention_heads": verifier_config.num_attention_heads,
-        "num_key_value_heads": verifier_config.num_key_value_heads,
-        "head_dim": verifier_config.hidden_size // verifier_config.num_attention_heads,
-        "num_hidden_layers": 1,
-        "max_position_embeddings": verifier_config.max_position_embeddings,
-        "rms_norm_eps": verifier_config.rms_norm_eps,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "vocab_size": verifier_config.vocab_size,
-        "draft_vocab_size": draft_vocab_size,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids, "use_aux_hidden_state": True},
-    }
-
-
 def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, seed: int = 0,
               progress: bool = True) -> dict[str, Path]:
     """Build the tiny verifier and its tiny parent under ``out_dir``; returns their paths."""
@@ -127,6 +104,7 @@ def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, see
     from draftline.checkpoints import to_midlayer_layout
     from draftline.data.capture import capture_hidden_states
     from draftline.data.tokenize import tokenize_conversations
+    from draftline.drafter_shape import default_aux_layers, specforge_config
     from draftline.train.model import build_draft_model, train_steps_in_process
     from draftline.vocab import build_vocab
 
@@ -145,7 +123,7 @@ def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, see
 
     samples = tokenize_conversations(load_conversations(conversations).samples, tokenizer, max_length=512)
     samples = samples[: max(1, len(samples) // 2)]
-    aux = [2, verifier.config.num_hidden_layers // 2, verifier.config.num_hidden_layers - 3]
+    aux = default_aux_layers(verifier.config.num_hidden_layers)
     batch = capture_hidden_states(verifier, samples, aux, progress=progress)
     freqs = torch.zeros(verifier.config.vocab_size, dtype=torch.long)
     for s in samples:

@@ -7,7 +7,7 @@ with ``token_ids`` and ``hidden_states`` [T, aux + 1, H] and returns the path in
 emulation for testing draftline's vLLM capture backend, computed with transformers. Failure injection exercises clients' retries: ``fail_every=N`` answers 503 to
 every Nth completion request, ``fail_after=K`` answers 503 to every completion request after K succeeded.
 
-    python -m draftline.tiny_server MODEL_DIR --port 8000 [--fail-every N] [--fail-after K]
+    python -m draftline.testing.tiny_server MODEL_DIR --port 8000 [--fail-every N] [--fail-after K]
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def serve_in_thread(model_dir: str | Path, *, served_model_name: str | None = No
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m draftline.tiny_server", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m draftline.testing.tiny_server", description=__doc__.splitlines()[0])
     p.add_argument("model_dir", help="Hugging Face causal LM directory (weights + tokenizer with a chat template).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -1,0 +1,45 @@
+"""What the launcher hands every rank: one typed, validated spec (``worker_spec.json``), written by finetune
+and read by ``draftline.train.worker``. Finetune's logged params are derived from the same resolved values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class WorkerSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str | None = Field(description="The MLflow run rank 0 logs metrics to (None: no logging).")
+    data_dir: str = Field(description="Prepared data (manifest.json and shards).")
+    verifier: str = Field(description="The verifier the data was captured from.")
+    aux_layer_ids: list[int]
+    layer: dict[str, Any] = Field(description="The drafter's decoder-layer config (drafter_shape.layer_config).")
+    vocab_file: str = Field(description="d2t/t2d of the run's draft vocabulary (safetensors).")
+    vocab_policy: Literal["parent", "rebuild"]
+    parent_path: str | None = Field(None, description="The parent's directory; None for a random init.")
+    allow_pickle: bool = False
+    steps: int = Field(ge=1)
+    ttt_steps: int = Field(ge=1)
+    tokens_per_batch: int = Field(ge=1)
+    precision: Literal["bf16", "fp32"]
+    seed: int
+    save_every: int = Field(ge=1)
+    log_every: int = Field(ge=1)
+    attn_impl: str
+    val_fraction: float = Field(ge=0.0, lt=1.0)
+    val_every: int = Field(ge=1)
+    ds_config: dict[str, Any] = Field(description="The resolved DeepSpeed config the engine is built from.")
+    checkpoint_dir: str
+    load_report: str = Field(description="Where rank 0 writes the parent-load report (JSON).")
+    error_file: str = Field(description="Where a failing rank leaves its message for the launcher.")
+
+    def write(self, path: Path) -> Path:
+        path.write_text(self.model_dump_json(indent=2))
+        return path
+
+    @classmethod
+    def read(cls, path: Path | str) -> WorkerSpec:
+        return cls.model_validate_json(Path(path).read_text())

@@ -1,0 +1,37 @@
+"""Three small helpers every stage uses, each written once: an atomic write, a file's sha256, a free port."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never a part: a temporary
+    file in the same folder (unique, so concurrent writers do not collide), then a rename over ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, streamed (``hashlib.file_digest``)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
