@@ -24,6 +24,10 @@ class PrepareConfig(_Strict):
                                            "form, or a Hugging Face dataset directory (save_to_disk).")
     verifier: str = Field(description="Verifier: a local Hugging Face directory (model + tokenizer with a chat "
                                       "template) or a repo id already in the local cache.")
+    verifier_id: str | None = Field(None, description="The id serving hosts load the verifier by (a Hugging Face "
+                                    "repo id), recorded as verifier.name_or_path and written into the exported "
+                                    "config. Default: read from the Hugging Face cache path or the verifier's "
+                                    "config.json `_name_or_path`; a plain local directory needs it.")
     aux_layers: list[int] | None = Field(None, description="Verifier layers whose hidden states EAGLE-3 reads "
                                                            "(default [2, N//2, N-3]).")
     max_length: int = Field(2048, ge=16, le=1 << 20, description="Tokens per conversation (longer ones are cut).")
@@ -91,6 +95,9 @@ class ExportConfig(_Strict):
     run: str = Field(description="Finetune run: its id or `runs:/<id>`.")
     registered_model: str = Field("draftline-drafter", min_length=1,
                                   description="Registered model the version is added to.")
+    verifier_id: str | None = Field(None, description="The id serving hosts load the verifier by (Hugging Face "
+                                    "repo id), written into the exported config.json and checked by `pull "
+                                    "--verifier` [default: the one the data recorded].")
     layout: Literal["speculators", "midlayer"] = Field("speculators", description="Extra layout to write "
                                                        "(speculators is always written; midlayer adds SGLang's).")
 

@@ -102,7 +102,7 @@ def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], 
     from draftline.train.model import build_draft_model
 
     aux = json.loads(params["verifier.aux_layers"])
-    model = build_draft_model(params["verifier.name_or_path"], d2t=state["d2t"], t2d=state["t2d"],
+    model = build_draft_model(params.get("verifier.path") or params["verifier.name_or_path"], d2t=state["d2t"], t2d=state["t2d"],
                               aux_layer_ids=aux, draft_vocab_size=int(state["d2t"].numel()),
                               ttt_steps=int(params["ttt_steps"]), dtype=torch.bfloat16, layer=layer)
     expected = {k for k in model.state_dict() if k not in VERIFIER_OWNED}
@@ -111,6 +111,19 @@ def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], 
         raise CheckpointError(f"the consolidated checkpoint lacks {', '.join(missing)}")
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     return model.eval()
+
+
+def serving_id(cfg: ExportConfig, params: dict[str, str]) -> str:
+    """The verifier as a serving host knows it (``vllm serve <pulled dir>`` loads it by this), never a path
+    on the training host."""
+    recorded = params.get("verifier.name_or_path", "")
+    chosen = cfg.verifier_id or recorded
+    if not chosen or Path(chosen).is_absolute() or chosen.startswith(("./", "../", "~")) or (
+            chosen == params.get("verifier.path") and not cfg.verifier_id):
+        raise DataError(f"the finetune run recorded its verifier only as the path {recorded} on the training host, "
+                        "which a serving host cannot load: pass --verifier-id ORG/NAME (the Hugging Face repo id "
+                        "the serving hosts load it by), here or to prepare")
+    return chosen
 
 
 def sha256_manifest(directory: Path) -> dict[str, str]:
@@ -124,16 +137,21 @@ def model_card(lineage: dict, metrics: dict[str, float]) -> str:
         lineage.get("verifier.name_or_path")
     rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in sorted(lineage.items()))
     mrows = "\n".join(f"| `{k}` | {v:.4f} |" for k, v in sorted(metrics.items()))
+    relation = "base_model_relation: finetune\n" if lineage.get("parent.source") not in (None, "none") else ""
     return f"""---
 base_model: {base}
+{relation}license: other  # the parent's and the verifier's licenses apply
+datasets: [draftline-data-{str(lineage.get('data.digest', 'unknown'))[:12]}]
 library_name: speculators
 tags: [eagle3, speculative-decoding, draftline]
 ---
 # EAGLE-3 drafter
 
-Trained by draftline for the verifier `{lineage.get('verifier.name_or_path')}`; serve it with vLLM:
+Trained by draftline for the verifier `{lineage.get('verifier.name_or_path')}` on data set
+`{lineage.get('data.digest')}` (sha256 over its shards); serve it with vLLM, where that verifier loads by its id:
 
 ```
+vllm serve <this dir>   # the verifier comes from speculators_config.verifier.name_or_path
 vllm serve {lineage.get('verifier.name_or_path')} --speculative-config '{{"model": "<this dir>", "method": "eagle3", "num_speculative_tokens": {lineage.get('ttt_steps', 3)}}}'
 ```
 
@@ -166,20 +184,28 @@ def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float]) ->
     (out / "README.md").write_text(model_card(lineage, metrics))
 
 
-def upload_with_checksums(out: Path, artifact_path: str) -> dict[str, str]:
-    """Log ``out`` to the active run, then its ``checksums.json``; the digests are computed on a second
-    thread while MLflow uploads the files (both read them from the page cache)."""
+def upload_with_checksums(out: Path, model_id: str) -> dict[str, str]:
+    """Upload ``out`` as the LoggedModel's artifacts, then its ``checksums.json``; the digests are computed on
+    a second thread while MLflow uploads the files (both read them from the page cache)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import mlflow
+    from mlflow import MlflowClient
 
+    client = MlflowClient()
     with ThreadPoolExecutor(1, thread_name_prefix="draftline-sha256") as pool:
         digests = pool.submit(sha256_manifest, out)
-        mlflow.log_artifacts(str(out), artifact_path=artifact_path)
+        client.log_model_artifacts(model_id, str(out))
         manifest = digests.result()
-    (out / CHECKSUMS).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    mlflow.log_artifact(str(out / CHECKSUMS), artifact_path=artifact_path)
+    with tempfile.TemporaryDirectory(prefix="draftline-checksums-") as one:
+        (out / CHECKSUMS).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        shutil.copy2(out / CHECKSUMS, Path(one) / CHECKSUMS)
+        client.log_model_artifacts(model_id, one)  # last: a model with checksums.json is complete
     return manifest
+
+
+def logged_model_name(registered_model: str) -> str:
+    """MLflow refuses '/', ':', '.', '%' and quotes in LoggedModel names."""
+    return re.sub(r"[/:.%\"']", "-", registered_model)
 
 
 def write_midlayer(model, out: Path, params: dict[str, str]) -> None:
@@ -196,14 +222,17 @@ def write_midlayer(model, out: Path, params: dict[str, str]) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def validate(model, out: Path, seed: int = 0) -> None:
-    """Reload ``out`` with speculators and require identical weights and identical outputs on a batch."""
+def validate(model, out: Path, seed: int = 0, verifier_path: str | None = None) -> None:
+    """Reload ``out`` with speculators and require identical weights and identical outputs on a batch.
+    ``verifier_path``: where the verifier lies on this host (the config names it by its serving id)."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     from draftline.train.model import pack
 
     config = Eagle3SpeculatorConfig.from_pretrained(str(out))
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (not saved; flex needs a GPU)
+    if verifier_path:  # speculators loads the verifier's embeddings and head by this name
+        config.speculators_config.verifier.name_or_path = verifier_path
     reloaded = Eagle3DraftModel.from_pretrained(str(out), config=config).to(torch.bfloat16).eval()
     ours, theirs = model.state_dict(), reloaded.state_dict()
     for key in (k for k in ours if k in theirs):
@@ -258,6 +287,8 @@ def run(cfg: ExportConfig) -> dict[str, str]:
         model = build_trained_model(consolidate(ckpt), params, layer)
         shutil.rmtree(ckpt, ignore_errors=True)
         lineage = {k: params[k] for k in lin.VERSION_TAG_PARAMS if k in params}
+        lineage["verifier.name_or_path"] = serving_id(cfg, params)
+        model.config.speculators_config.verifier.name_or_path = lineage["verifier.name_or_path"]
         lineage.update({"finetune.run_id": ft_id, "ttt_steps": params.get("ttt_steps", "3")})
         out = tmp / "drafter"
         try:
@@ -266,24 +297,41 @@ def run(cfg: ExportConfig) -> dict[str, str]:
         except OSError as e:
             raise DraftlineError(f"cannot write the export to {e.filename or out} ({e.strerror}): point TMPDIR "
                                  "at a writable directory") from None
-        validate(model, out)
+        validate(model, out, verifier_path=params.get("verifier.path"))
         tracking.log_params_once({"export.layout": cfg.layout, "export.registered_model": cfg.registered_model,
                                   **{k: v for k, v in lineage.items() if k != "ttt_steps"}})
-        with _room_in_store(f"{active.info.artifact_uri}/drafter"):
-            export_sha = export_digest(upload_with_checksums(out, "drafter"))
-        if cfg.layout == "midlayer":
-            with _room_in_tmp(tmp / "midlayer"):
-                write_midlayer(model, tmp / "midlayer", params)
-            with _room_in_store(f"{active.info.artifact_uri}/midlayer"):
-                mlflow.log_artifacts(str(tmp / "midlayer"), artifact_path="midlayer")
+        # the drafter is an MLflow 3 LoggedModel: lineage as its params, the finetune run's metrics on it
+        logged = mlflow.initialize_logged_model(
+            name=logged_model_name(cfg.registered_model), source_run_id=active.info.run_id,
+            model_type="eagle3-drafter", params={k: str(v) for k, v in lineage.items()},
+            tags={"draftline.kind": "drafter", "draftline.finetune.run_id": ft_id})
+        try:
+            with _room_in_store(logged.artifact_location):
+                export_sha = export_digest(upload_with_checksums(out, logged.model_id))
+            if cfg.layout == "midlayer":
+                with _room_in_tmp(tmp / "midlayer"):
+                    write_midlayer(model, tmp / "midlayer", params)
+                with _room_in_store(f"{active.info.artifact_uri}/midlayer"):
+                    mlflow.log_artifacts(str(tmp / "midlayer"), artifact_path="midlayer")
+            step = int(params.get("train.steps", 0))
+            for k, v in metrics.items():  # the finetune run's final values, attached to the model
+                client.log_metric(active.info.run_id, k, v, step=step, model_id=logged.model_id)
+            mlflow.set_logged_model_tags(logged.model_id, {"export.sha256": export_sha, "export.validated": "true"})
+            mlflow.finalize_logged_model(logged.model_id, "READY")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                mlflow.finalize_logged_model(logged.model_id, "FAILED")
+            raise
         tags = {**lineage, "export.sha256": export_sha, "export.validated": "true",
                 "export.run_id": active.info.run_id,
                 **{f"metric.{k}": f"{v:.4f}" for k, v in metrics.items()}}
-        mlflow.set_tags({"export.sha256": export_sha, "export.validated": "true"})
-        version = registry.register(client, cfg.registered_model,
-                                    source=f"{active.info.artifact_uri}/drafter", run_id=active.info.run_id,
-                                    tags=tags, description=registry.describe(lineage))
-        mlflow.set_tag("draftline.model_version", f"models:/{cfg.registered_model}/{version.version}")
+        mlflow.set_tags({"export.sha256": export_sha, "export.validated": "true",
+                         "draftline.model_id": logged.model_id})
+        version = registry.register(client, cfg.registered_model, model_id=logged.model_id,
+                                    run_id=active.info.run_id, tags=tags, description=registry.describe(lineage))
+        mlflow.set_tags({"draftline.model_version": f"models:/{cfg.registered_model}/{version.version}",
+                         "mlflow.runName": f"export → {cfg.registered_model} v{version.version}",
+                         "mlflow.note.content": registry.describe(lineage)})
     return {"run_id": active.info.run_id, "model_uri": f"models:/{cfg.registered_model}/{version.version}",
             "version": str(version.version)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -15,7 +16,7 @@ METADATA_FILE = "training_metadata.json"
 VERSION_TAG_PARAMS = (
     "init", "parent.name", "parent.source", "parent.revision", "parent.sha256", "parent.layout",
     "parent.key_remap", "vocab.policy", "vocab.draft_size", "verifier.name_or_path", "verifier.aux_layers",
-    "data.digest", "train.pairing",
+    "verifier.revision", "data.digest", "train.pairing",
 )
 HEADLINE_METRICS = ("val/acceptance_length", "train/acceptance_length", "train/full_acc_0", "train/loss")
 
@@ -47,9 +48,35 @@ def git_commit(root: Path | None = None) -> str:
         return "unknown"
 
 
+_HF_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<rev>[^/]+)/?$")
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def verifier_identity(path: str, name: str | None = None, explicit: str | None = None) -> tuple[str | None, str | None]:
+    """``(repo id, revision)`` a serving host knows the verifier by, never a path on this machine: ``explicit``;
+    a Hugging Face cache snapshot's repo and revision; the repo id the user named (``name``); the
+    ``_name_or_path`` its config.json records when that is a repo id. ``(None, None)`` when none says."""
+    if explicit:
+        return explicit, None
+    m = _HF_SNAPSHOT.search(str(path))
+    if m:
+        return f"{m['org']}/{m['name']}", m["rev"]
+    if name and _REPO_ID.fullmatch(name) and not Path(name).exists():
+        return name, None
+    try:
+        recorded = json.loads((Path(path) / "config.json").read_text()).get("_name_or_path") or ""
+    except (OSError, ValueError):
+        recorded = ""
+    if _REPO_ID.fullmatch(recorded) and not Path(recorded).exists():
+        return recorded, None
+    return None, None
+
+
 def environment_tags() -> dict[str, str]:
     tags = {f"draftline.version.{k}": v for k, v in versions().items()}
     tags["draftline.git_commit"] = git_commit()
+    if tags["draftline.git_commit"] != "unknown":  # MLflow's own tag: the UI shows and links it
+        tags["mlflow.source.git.commit"] = tags["draftline.git_commit"].removesuffix("-dirty")
     return tags
 
 
@@ -92,3 +119,53 @@ def training_metadata(params: dict[str, object], vocab_counts: dict[str, int], e
 def write_json(path: Path, obj: dict) -> Path:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
     return path
+
+
+def data_set(manifest: dict, name: str = "prepared"):
+    """The prepared data as an MLflow data set: what prepare logs as its output and finetune as its input
+    (same source, same digest, so the UI links them)."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    return MetaDataset(source=resolve_dataset_source(manifest["source"]), name=name, digest=manifest["digest"][:36])
+
+
+def data_set_tags(manifest: dict) -> dict[str, str]:
+    return {"samples": str(manifest["samples"]), "tokens": str(manifest["tokens"]), "sha256": manifest["digest"],
+            "location": manifest["location"]}
+
+
+def parent_model_id(client, parent, *, sha256: str, layout: str, experiment_id: str) -> str | None:
+    """The LoggedModel that stands for the parent: a registered parent's own model, or, for a parent outside
+    MLflow (AQ-MedAI, a directory, an HF cache id), an external model recorded once per sha256."""
+    if parent.is_random:
+        return None
+    if parent.model_version:
+        from draftline.registry import model_id_of
+
+        name, _, version = parent.model_version.removeprefix("models:/").rpartition("/")
+        return model_id_of(client.get_model_version(name, version))
+    found = client.search_logged_models([experiment_id], filter_string=f"tags.`draftline.parent.sha256` = '{sha256}'",
+                                        max_results=1).to_list()
+    if found:
+        return found[0].model_id
+    import re
+
+    import mlflow
+
+    model = mlflow.create_external_model(
+        name=re.sub(r"[/:.%\"']", "-", parent.name), experiment_id=experiment_id, model_type="eagle3-drafter",
+        params={"source": parent.source, "revision": parent.revision, "layout": layout, "sha256": sha256},
+        tags={"draftline.kind": "parent", "draftline.parent.sha256": sha256, "parent.source": parent.source})
+    return model.model_id
+
+
+def record_inputs(run_id: str, *, manifest: dict, data_name: str, parent_model: str | None) -> None:
+    """The finetune run's inputs: the data set it trained on and the parent model it started from."""
+    from mlflow import MlflowClient
+    from mlflow.entities import DatasetInput, InputTag, LoggedModelInput
+
+    entity = data_set(manifest, data_name)._to_mlflow_entity()  # noqa: SLF001 (what mlflow.log_input does)
+    tags = [InputTag("mlflow.data.context", "training"), *(InputTag(k, v) for k, v in data_set_tags(manifest).items())]
+    MlflowClient().log_inputs(run_id, datasets=[DatasetInput(entity, tags)],
+                              models=[LoggedModelInput(parent_model)] if parent_model else None)

@@ -26,8 +26,13 @@ def tracking_uri() -> str:
 
 def setup(experiment: str | None = None) -> str:
     """Point MLflow at the tracking store, check it answers, select the experiment. Returns the URI."""
+    import warnings
+
     import mlflow
 
+    # MLflow warns about its own stage API on every call; draftline keeps stages in step with aliases on purpose
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"mlflow(\.|$)")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"draftline(\.|$)")
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
@@ -39,7 +44,10 @@ def setup(experiment: str | None = None) -> str:
         if os.environ.get("MLFLOW_EXPERIMENT_ID"):  # set by a parent process (e.g. `draftline main`)
             mlflow.set_experiment(experiment_id=os.environ["MLFLOW_EXPERIMENT_ID"])
         else:
-            mlflow.set_experiment(experiment or os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT))
+            exp = mlflow.set_experiment(experiment or os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT))
+            if "mlflow.experimentKind" not in exp.tags:  # the UI opens a training experiment on its runs
+                mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, "mlflow.experimentKind",
+                                                         "custom_model_development")
     except Exception as e:  # noqa: BLE001
         raise TrackingError(f"cannot use the experiment on {uri}: {e}") from None
     return uri

@@ -42,10 +42,20 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert [m.step for m in loss] == [1, 2, 3, 4, 5, 6]
     for key in ("train/full_acc_0", "train/cond_acc_2", "train/acceptance_length", "train/tokens_per_s"):
         assert key in run.data.metrics
-    inputs = run.inputs.dataset_inputs if run.inputs else []
+    # the verifier as serving hosts know it (make-tiny records its id), the training host's path beside it
+    assert p["verifier.name_or_path"] == "draftline/tiny-verifier"
+    assert p["verifier.path"] == str(Path(tiny["verifier"]).resolve())
+    assert run.data.tags["mlflow.runName"] == "finetune from tiny" and "tiny-verifier" in \
+        run.data.tags["mlflow.note.content"]
+    # inputs: the same data set prepare logged, and the parent as an external model keyed by its sha256
     prep_run = client.get_run(prep["run_id"])
     assert prep_run.inputs.dataset_inputs[0].dataset.digest == prep["digest"][:36]
-    assert not inputs or inputs[0].dataset.digest == prep["digest"][:36]
+    assert [i.dataset.digest for i in run.inputs.dataset_inputs] == [prep["digest"][:36]]
+    assert run.inputs.dataset_inputs[0].dataset.name == prep_run.inputs.dataset_inputs[0].dataset.name
+    [parent_input] = run.inputs.model_inputs
+    parent_model = client.get_logged_model(parent_input.model_id)
+    assert parent_model.tags["draftline.parent.sha256"] == p["parent.sha256"]
+    assert parent_model.params["source"] == "draftline/tiny-parent"
     artifacts = {a.path for a in client.list_artifacts(ft["run_id"])}
     assert {"checkpoints", "training_metadata.json", "parent_load_report.json",
             "per_position_accuracy.png"} <= artifacts
@@ -57,6 +67,16 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert mv.tags["parent.source"] == "draftline/tiny-parent" and mv.tags["export.validated"] == "true"
     assert mv.tags["finetune.run_id"] == ft["run_id"] and mv.tags["data.digest"] == prep["digest"]
     assert "draftline/tiny-parent" in mv.description
+    # the version comes from the drafter's LoggedModel: lineage as its params, the finetune metrics on it
+    from draftline.registry import model_id_of
+
+    assert mv.source == f"models:/{model_id_of(mv)}"
+    logged = client.get_logged_model(model_id_of(mv))
+    assert logged.source_run_id == ex["run_id"] and logged.status == "READY"
+    assert logged.params["parent.sha256"] == p["parent.sha256"] and logged.params["data.digest"] == prep["digest"]
+    assert logged.params["train.pairing"] == "vllm-shifted"
+    assert {m.key for m in logged.metrics} >= {"val/acceptance_length", "train/loss"}
+    assert mv.tags["verifier.name_or_path"] == "draftline/tiny-verifier"
 
     invoke("promote", "tiny-drafter", "1", "--to", "Production")
     assert client.get_model_version_by_alias("tiny-drafter", "production").version == "1"
@@ -68,16 +88,26 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert by_alias["version"] == by_version["version"] == "1"
     r = CliRunner().invoke(cli, ["pull", "tiny-drafter", "--version", "1", "--dest", str(tmp_path / "w"),
                                  "--verifier", "another/verifier"])
-    assert r.exit_code == 1 and "was trained for verifier" in r.output
+    assert r.exit_code == 1 and "was trained for verifier draftline/tiny-verifier" in r.output
+    assert not (tmp_path / "w").exists()  # refused before anything was downloaded
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "mine.txt").write_text("untouched")
+    r = CliRunner().invoke(cli, ["pull", "tiny-drafter", "--version", "1", "--dest", str(keep),
+                                 "--verifier", "another/verifier"])
+    assert r.exit_code == 1 and [f.name for f in keep.iterdir()] == ["mine.txt"]
 
     # what deployments get loads with speculators itself, with the aux layers and verifier vLLM needs
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     cfg = Eagle3SpeculatorConfig.from_pretrained(pulled["path"])
     cfg.transformer_layer_config._attn_implementation = "sdpa"
+    assert cfg.speculators_config.verifier.name_or_path == "draftline/tiny-verifier"  # what `vllm serve DIR` loads
+    cfg.speculators_config.verifier.name_or_path = str(tiny["verifier"])  # this host has it here
     model = Eagle3DraftModel.from_pretrained(pulled["path"], config=cfg)
     assert model.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
-    assert model.config.speculators_config.verifier.name_or_path == str(tiny["verifier"].resolve())
+    assert pulled["verifier"] == "draftline/tiny-verifier" and pulled["command"].startswith(
+        "vllm serve draftline/tiny-verifier ")
     card = (tmp_path / "pulled" / "README.md").read_text()
     assert "base_model: draftline/tiny-parent" in card
 
@@ -98,6 +128,8 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert p["parent.key_remap"] == "none" and p["zero.stage"] == "3" and p["vocab.policy"] == "rebuild"
     assert int(p["vocab.kept"]) + int(p["vocab.added"]) == 200 and int(p["vocab.dropped"]) >= 56
     assert run.data.tags["draftline.parent.model_version"] == "models:/tiny-drafter/1"
+    # its input is generation 1's own LoggedModel: data -> finetune -> model -> version, clickable both ways
+    assert [i.model_id for i in run.inputs.model_inputs] == [model_id_of(client.get_model_version("tiny-drafter", "1"))]
     assert run.data.tags["draftline.parent.run_id"] == client.get_model_version("tiny-drafter", "1").run_id
     ex = invoke("export", "--run", ft["run_id"], "--registered-model", "tiny-drafter")  # consolidates ZeRO-3
     mv = client.get_model_version("tiny-drafter", ex["version"])

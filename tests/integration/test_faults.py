@@ -199,7 +199,8 @@ def test_out_of_room_reads_the_errno_wherever_a_library_put_it(raised, found):
 def _corpus(client, pipeline, dest: Path) -> dict[str, bytes]:
     """Everything draftline leaves behind, by where it lies: the stdout/stderr of every CLI call; for every run
     of the experiment its params, tags, metrics (system metrics included), dataset inputs, info and every
-    artifact file; every registered model and version made from those runs; local scratch (DRAFTLINE_WORK,
+    artifact file; every LoggedModel (drafters, external parents) with its params, tags, metrics and artifact
+    files; every registered model and version made from those runs; local scratch (DRAFTLINE_WORK,
     the regeneration cache). MLflow's own owner fields (tag ``mlflow.user``, ``user_id``), which hold the
     user name by design, are left out so that the user name can be searched for too."""
     import mlflow
@@ -223,6 +224,14 @@ def _corpus(client, pipeline, dest: Path) -> dict[str, bytes]:
                                                          tracking_uri=pipeline.uri))
         for f in sorted(p for p in local.rglob("*") if p.is_file()):
             corpus[f"run {rid} artifact {f.relative_to(local)}"] = f.read_bytes()
+    for lm in client.search_logged_models([exp.experiment_id]).to_list():  # drafters and external parents
+        corpus[f"model {lm.model_id} params, tags, metrics"] = json.dumps(
+            {"params": lm.params, "tags": {k: v for k, v in lm.tags.items() if k != "mlflow.user"},
+             "metrics": [(m.key, m.value) for m in lm.metrics or []]}).encode()
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=lm.artifact_location,
+                                                         dst_path=str(dest / lm.model_id), tracking_uri=pipeline.uri))
+        for f in sorted(p for p in local.rglob("*") if p.is_file()):
+            corpus[f"model {lm.model_id} artifact {f.relative_to(local)}"] = f.read_bytes()
     run_ids = {r.info.run_id for r in runs}
     for rm in client.search_registered_models():
         versions = [v for v in client.search_model_versions(f"name='{rm.name}'") if v.run_id in run_ids]
@@ -276,7 +285,10 @@ def test_credentials_reach_no_param_tag_artifact_version_or_log(pipeline, client
     assert {w.split(" (")[0] for w in corpus if w.startswith("draftline ")} >= {
         "draftline prepare", "draftline finetune", "draftline export"}
     assert f"run {pipeline.ft['run_id']} artifact checkpoints/latest" in corpus
-    assert f"run {ex['run_id']} artifact drafter/model.safetensors" in corpus
+    from draftline.registry import model_id_of
+
+    drafter = model_id_of(client.get_model_version("faults-drafter", ex["version"]))
+    assert f"model {drafter} artifact model.safetensors" in corpus
     assert f"model version faults-drafter/{ex['version']}" in corpus
     assert find(corpus, NEEDLES) == planted  # anything more is a leak, named by where it lies
     assert find(corpus, {"user name": USER}) == set()  # only MLflow's owner fields hold it

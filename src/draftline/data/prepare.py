@@ -17,6 +17,7 @@ import torch
 from draftline.config import PrepareConfig, work_dir
 from draftline.data import shards
 from draftline.errors import DataError
+from draftline.lineage import verifier_identity
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,9 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
         "format_version": shards.FORMAT_VERSION,
         "verifier": verifier_path,
         "verifier_name": cfg.verifier,
+        # what a serving host knows it by (None: only this machine's path, and export will ask for an id)
+        **dict(zip(("verifier_id", "verifier_revision"),
+                   verifier_identity(verifier_path, cfg.verifier, cfg.verifier_id), strict=True)),
         "num_hidden_layers": num_layers,
         "hidden_size": hidden,
         "vocab_size": vocab,
@@ -183,8 +187,6 @@ def _regenerate(cfg: PrepareConfig, samples: list[dict], progress: bool) -> dict
 def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
     """The prepare stage as one MLflow run. Returns ``{"run_id", "data_uri", "digest"}``."""
     import mlflow
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
-    from mlflow.data.meta_dataset import MetaDataset
 
     from draftline import lineage, tracking
 
@@ -196,7 +198,8 @@ def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
         run_id = active.info.run_id
         manifest = build_data(cfg, out, progress=progress, key=key)
         tracking.log_params_once({
-            "verifier.name_or_path": manifest["verifier"],
+            "verifier.name_or_path": manifest.get("verifier_id") or manifest["verifier"],
+            "verifier.path": manifest["verifier"],
             "verifier.aux_layers": manifest["aux_layer_ids"],
             "data.source": manifest["source"],
             "data.max_length": cfg.max_length,
@@ -211,11 +214,8 @@ def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
                             "data/bytes_per_token": manifest["bytes_per_token"],
                             "data/shard_bytes": sum((out / e["file"]).stat().st_size for e in manifest["shards"])},
                            step=0)
-        dataset = MetaDataset(source=resolve_dataset_source(manifest["source"]), name=cfg.name,
-                              digest=manifest["digest"][:36])
-        mlflow.log_input(dataset, context="training",
-                         tags={"samples": str(manifest["samples"]), "tokens": str(manifest["tokens"]),
-                               "sha256": manifest["digest"], "location": manifest["location"]})
+        mlflow.log_input(lineage.data_set(manifest, cfg.name), context="training",
+                         tags=lineage.data_set_tags(manifest))
         mlflow.set_tags({"draftline.data.digest": manifest["digest"], **lineage.environment_tags()})
         # the manifest (location + every shard's sha256) and the frequencies always; the shards only if asked
         for name in (shards.MANIFEST, shards.FREQS):

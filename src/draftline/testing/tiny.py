@@ -27,6 +27,7 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
+TINY_VERIFIER_ID = "draftline/tiny-verifier"  # as configs/parents.yaml names it
 TINY_DEFAULTS = dict(
     vocab_size=1024,
     hidden_size=128,
@@ -117,6 +118,9 @@ def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, see
     verifier_dir.mkdir(parents=True, exist_ok=True)
     verifier.save_pretrained(verifier_dir, safe_serialization=True)
     tokenizer.save_pretrained(verifier_dir)
+    # the id serving hosts know it by, as a model downloaded from a hub records it (draftline reads it back)
+    cfg_file = verifier_dir / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "_name_or_path": TINY_VERIFIER_ID}, indent=2))
 
     # The parent learns from the first half of the conversations; users finetune on whatever they bring.
     from draftline.data.conversations import load_conversations

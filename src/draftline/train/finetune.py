@@ -6,6 +6,7 @@ parent's layout, hash, vocabulary and aux layers are checked here, before any ra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -185,6 +186,14 @@ def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, dr
         log_params_once({"plan.fits": fits}, run_id)
 
 
+def _data_name(client, data_run_id: str | None) -> str:
+    """The name prepare gave the data set, so the finetune run's input matches prepare's."""
+    if data_run_id:
+        with contextlib.suppress(Exception):
+            return client.get_run(data_run_id).inputs.dataset_inputs[0].dataset.name
+    return "prepared"
+
+
 def refuse_unpaired_resume(run_id: str) -> None:
     """A run started before draftline trained in vLLM's pairing cannot be continued in it."""
     from mlflow import MlflowClient
@@ -242,7 +251,9 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             "vocab.policy": cfg.vocab if not parent.is_random else "rebuild",
             "vocab.draft_size": counts["draft_size"],
             "vocab.kept": counts["kept"], "vocab.added": counts["added"], "vocab.dropped": counts["dropped"],
-            "verifier.name_or_path": manifest["verifier"],
+            "verifier.name_or_path": manifest.get("verifier_id") or manifest["verifier"],
+            "verifier.revision": manifest.get("verifier_revision") or "none",
+            "verifier.path": manifest["verifier"],
             "verifier.aux_layers": manifest["aux_layer_ids"],
             "data.digest": manifest["digest"],
             "data.uri": cfg.data,
@@ -258,7 +269,20 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
         if resume_run:
             refuse_unpaired_resume(run_id)
         tracking.log_params_once(params, run_id)
-        mlflow.set_tags({**lineage.parent_tags(parent, data_run_id), **lineage.environment_tags()})
+        origin = "random init" if parent.is_random else (
+            f"{parent.name} v{parent.revision}" if parent.model_version else parent.name)
+        mlflow.set_tags({**lineage.parent_tags(parent, data_run_id), **lineage.environment_tags(),
+                         "mlflow.runName": f"finetune from {origin}",
+                         "mlflow.note.content": (
+                             f"EAGLE-3 drafter for {params['verifier.name_or_path']}, from {origin}"
+                             + ("" if parent.is_random else f" (sha256 {sha[:12]}, {layout} layout)")
+                             + f", on data {manifest['digest'][:12]} (vocabulary {params['vocab.policy']}); "
+                             f"ZeRO-{cfg.zero_stage} on {ranks} rank(s), {cfg.steps} steps, pairing {PAIRING}.")})
+        if not resume_run:  # the data set and the parent model as the run's inputs (the UI links them)
+            client = mlflow.MlflowClient()
+            lineage.record_inputs(run_id, manifest=manifest, data_name=_data_name(client, data_run_id),
+                                  parent_model=lineage.parent_model_id(client, parent, sha256=sha, layout=layout,
+                                                                       experiment_id=active.info.experiment_id))
 
         ckpt_dir = work / "checkpoints"
         ckpt_dir.mkdir(exist_ok=True)

@@ -1,0 +1,152 @@
+"""``draftline``'s command group and the helpers its commands share.
+
+Options of the stage commands are generated from the stage's pydantic settings (their descriptions are the
+help), and ``--config FILE`` supplies any of them from YAML (flag > file > default). Expected failures print one
+line and exit 1 (2 for usage errors); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import typing
+
+import click
+
+from draftline.errors import DraftlineError
+
+os.environ.setdefault("LOGURU_LEVEL", "WARNING")  # speculators logs every file it opens at INFO
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class _Command(click.Command):
+    """Accepts ``--snake_case`` spellings of its options (MLflow passes undeclared parameters that way)."""
+
+    def parse_args(self, ctx, args):
+        known = {o for p in self.params for o in p.opts}
+        fixed = []
+        for arg in args:
+            name, eq, value = arg.partition("=")
+            if name.startswith("--") and "_" in name and name not in known and name.replace("_", "-") in known:
+                arg = name.replace("_", "-") + eq + value
+            fixed.append(arg)
+        return super().parse_args(ctx, fixed)
+
+
+class _Group(click.Group):
+    command_class = _Command
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DraftlineError as e:
+            click.secho(f"error: {e}", fg="red", err=True)
+            ctx.exit(e.exit_code)
+
+
+def _is_list(annotation) -> bool:
+    return any(typing.get_origin(a) is list for a in (annotation, *typing.get_args(annotation)))
+
+
+def _metavar(annotation) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return "[" + "|".join(str(a) for a in args) + "]"
+    if _is_list(annotation):
+        return "A,B,C"
+    inner = [a for a in args if a is not type(None)] if args else [annotation]
+    return {int: "INT", float: "FLOAT"}.get(inner[0], "TEXT") if len(inner) == 1 else "TEXT"
+
+
+def settings_options(model):
+    """Decorate a command with one option per settings field (``--kebab-name``), help from the description."""
+
+    def decorate(f):
+        for name, field in reversed(list(model.model_fields.items())):
+            flag = "--" + name.replace("_", "-")
+            default = None if field.is_required() else field.default
+            help_ = (field.description or "") + (f"  [default: {default}]" if default not in (None, "") else "")
+            if field.annotation is bool:
+                # `--log-shards`, `--no-log-shards`, or a value (`--log-shards false`, as MLproject passes it)
+                f = click.option(f"--no-{name.replace('_', '-')}", f"no_{name}", is_flag=True, default=False,
+                                 hidden=True)(f)
+                f = click.option(flag, name, type=str, is_flag=False, flag_value="true", default=None,
+                                 help=help_, metavar="[true|false]")(f)
+            else:
+                # strings in, pydantic validates: an empty value (MLproject's "unset") means the default
+                f = click.option(flag, name, type=str, default=None, help=help_,
+                                 metavar=_metavar(field.annotation))(f)
+        return click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+                            help="YAML file of settings (flags override it).")(f)
+
+    return decorate
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Send everything printed meanwhile to stderr, from Python and from child processes (fd 1 itself):
+    MLflow, DeepSpeed and the runs `main` starts all print there."""
+    try:
+        out_fd, err_fd = sys.__stdout__.fileno(), sys.__stderr__.fileno()
+        saved = os.dup(out_fd)
+    except (AttributeError, OSError, ValueError):
+        saved = None
+    try:
+        if saved is not None:
+            sys.__stdout__.flush()
+            os.dup2(err_fd, out_fd)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            sys.__stdout__.flush()
+            os.dup2(saved, out_fd)
+            os.close(saved)
+
+
+def _result(fn, *args, **kwargs):
+    """Run a library call with its output on stderr; print its result as JSON on stdout, so
+    `draftline ... | jq` always works."""
+    with _stdout_to_stderr():
+        out = fn(*args, **kwargs)
+    click.echo(json.dumps(out, indent=2, default=str))
+    return out
+
+
+def _settings(model, config_file, flags):
+    from draftline.config import resolve
+
+    flags = {k: v for k, v in flags.items() if v != ""}
+    for name in [k for k in flags if k.startswith("no_") and k[3:] in model.model_fields]:
+        if flags.pop(name):
+            flags[name[3:]] = False
+    for name, field in model.model_fields.items():
+        value = flags.get(name)
+        if _is_list(field.annotation) and isinstance(value, str):
+            try:
+                flags[name] = [int(x) for x in value.replace(" ", "").split(",") if x]
+            except ValueError:
+                raise click.BadParameter(f"expected comma-separated integers such as 2,30,58, got {value!r}",
+                                         param_hint="--" + name.replace("_", "-")) from None
+    return resolve(model, flags=flags, file=config_file)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="draftline")
+@click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
+def cli(verbose: bool):
+    """draftline: EAGLE-3 drafters made from a verifier's own outputs, finetuned from a parent drafter with
+    DeepSpeed ZeRO, and shipped with their lineage through the MLflow Model Registry to vLLM.
+
+    \b
+    Pipeline:  prepare -> finetune -> export (registers a version) -> promote -> pull
+    Tracking:  MLFLOW_TRACKING_URI (default: sqlite:///$PWD/mlflow.db); experiment: DRAFTLINE_EXPERIMENT
+    """
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(message)s")
+    for chatty in ("httpx", "httpcore", "urllib3"):  # one line per HTTP request otherwise
+        logging.getLogger(chatty).setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+

@@ -1,0 +1,148 @@
+"""The registry's commands: promote, rollback, pull, lineage, list, compare."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from draftline.cli.common import _stdout_to_stderr, cli
+
+
+def _client():
+    from mlflow import MlflowClient
+
+    from draftline import tracking
+
+    tracking.setup()
+    return MlflowClient()
+
+
+def _report(out: dict, as_json: bool) -> None:
+    from draftline.promotion import format_results
+
+    if as_json:
+        click.echo(json.dumps({**out, "results": [r.__dict__ for r in out["results"]]}, indent=2))
+        return
+    if out["results"]:
+        click.echo(format_results(out["results"]))
+    click.echo(out["message"])
+
+
+@cli.command()
+@click.argument("name")
+@click.argument("version")
+@click.option("--to", "stage", type=click.Choice(["Staging", "Production"], case_sensitive=False), required=True)
+@click.option("--policy", "policy_file", type=click.Path(dir_okay=False), default=None,
+              help="Policy YAML [default: registry_policies/<stage>.yaml].")
+@click.option("--dry-run", is_flag=True, help="Evaluate the policy and change nothing.")
+@click.option("--demote", is_flag=True, help="Allow moving the version that holds Production (or Staging) to the "
+              "other stage, leaving the stage it held empty.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def promote(name, version, stage, policy_file, dry_run, demote, as_json):
+    """Promote VERSION of registered model NAME to a stage through its policy (registry_policies/): the alias
+    (@staging/@production) moves to it, and the stage with it, archiving the previous holder. Promoting the
+    version that already holds the stage changes nothing."""
+    from draftline.promotion import promote as run
+
+    with _stdout_to_stderr():
+        out = run(_client(), name, version, stage, policy_file=policy_file, dry_run=dry_run, demote=demote)
+    _report(out, as_json)
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--to", "version", default=None, help="The version to put back [default: the one Production held "
+              "before the current holder].")
+@click.option("--reason", required=True, help="Why (recorded on the version with who and when).")
+@click.option("--policy", "policy_file", type=click.Path(dir_okay=False), default=None,
+              help="Production policy YAML [default: registry_policies/production.yaml].")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def rollback(name, version, reason, policy_file, as_json):
+    """Put Production of NAME back on the version it held before (or --to VERSION). The integrity rules of the
+    Production policy still apply; "not worse than the current Production" does not."""
+    from draftline.promotion import rollback as run
+
+    with _stdout_to_stderr():
+        out = run(_client(), name, to=version, reason=reason, policy_file=policy_file)
+    _report(out, as_json)
+
+
+@cli.command("list")
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def list_cmd(name, as_json):
+    """The registered models (aliases, latest version), or NAME's versions (stage, aliases, headline metric,
+    parent)."""
+    from draftline import registry_views as views
+
+    with _stdout_to_stderr():
+        client = _client()
+        rows = views.list_versions(client, name) if name else views.list_models(client)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    else:
+        click.echo(views.render_versions(name, rows) if name else views.render_models(rows))
+
+
+@cli.command()
+@click.argument("name")
+@click.argument("versions", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def compare(name, versions, as_json):
+    """VERSIONS of NAME side by side (lineage, data digest, headline metrics, stage), each version's registered
+    parent included; rows where they differ are starred."""
+    from draftline import registry_views as views
+
+    with _stdout_to_stderr():
+        table = views.compare(_client(), name, list(versions))
+    click.echo(json.dumps(table, indent=2) if as_json else views.render_compare(table))
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--stage", default=None, help="Pull the version in this stage (e.g. Production).")
+@click.option("--alias", default=None, help="Pull the version this alias points at (e.g. production).")
+@click.option("--version", "version", default=None, help="Pull this version number.")
+@click.option("--dest", type=click.Path(file_okay=False), required=True, help="Directory to download into.")
+@click.option("--verifier", default=None, help="Refuse the version unless it was trained for this verifier.")
+@click.option("--no-cache", is_flag=True, help="Download every file even if the local cache holds it "
+              "($DRAFTLINE_CACHE_DIR, default ~/.cache/draftline).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def pull(name, stage, alias, version, dest, verifier, no_cache, as_json):
+    """Download a registered drafter, verify every file against its checksums, print the vLLM command.
+
+    Files are hashed while they arrive; files already in the local content-addressed cache (same sha256)
+    are hard-linked instead of downloaded, so a restarted pod or a version sharing files costs nothing.
+    DEST receives the complete verified directory or is left as it was."""
+    from draftline import registry
+
+    with _stdout_to_stderr():
+        out = registry.pull(_client(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
+                            verifier=verifier, use_cache=not no_cache)
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+    else:
+        mib = 1 << 20
+        click.echo(f"pulled models:/{name}/{out['version']} into {out['path']} (checksums verified; "
+                   f"{out['downloaded_bytes'] / mib:.1f} MiB downloaded, {out['cached_bytes'] / mib:.1f} MiB "
+                   f"from the cache)\n{out['command']}")
+
+
+@cli.command()
+@click.argument("name")
+@click.argument("version")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def lineage(name, version, as_json):
+    """The ancestry of VERSION of NAME (a number, a stage, @alias, or a models:/ URI) back to its external
+    root, with the data digest and headline metrics of every generation."""
+    from draftline.lineage_walk import render, walk
+
+    uri = version if version.startswith("models:/") else \
+        f"models:/{name}@{version[1:]}" if version.startswith("@") else f"models:/{name}/{version}"
+    with _stdout_to_stderr():
+        chain = walk(_client(), uri)
+    click.echo(json.dumps(chain, indent=2) if as_json else render(chain))
+
+

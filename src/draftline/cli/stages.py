@@ -1,0 +1,180 @@
+"""The pipeline's commands: make-tiny, prepare, finetune, export, main, plan, inspect."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, settings_options
+from draftline.config import ExportConfig, FinetuneConfig, PrepareConfig
+
+
+@cli.command("make-tiny")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--conversations", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Text to train the tokenizer and the parent on [default: the demo conversations].")
+@click.option("--parent-steps", type=click.IntRange(0, 100000), default=150, show_default=True,
+              help="Optimiser steps for the tiny parent.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_tiny_cmd(out_dir, conversations, parent_steps, seed):
+    """Write a tiny verifier (OUT_DIR/verifier) and a tiny AQ-MedAI-layout parent (OUT_DIR/parent).
+
+    The catalog entry `init=tiny` finds the parent through DRAFTLINE_TINY_DIR=OUT_DIR (or work/tiny)."""
+    from draftline.config import shipped
+    from draftline.testing.tiny import make_tiny
+
+    src = Path(conversations) if conversations else shipped("configs", "demo", "conversations.jsonl")
+    _result(make_tiny, Path(out_dir), src, parent_steps=parent_steps, seed=seed)
+
+
+
+
+@cli.command()
+@settings_options(PrepareConfig)
+def prepare(config_file, **flags):
+    """Conversations -> verifier hidden states (one MLflow run; prints the data URI)."""
+    from draftline.data.prepare import run
+
+    _result(run, _settings(PrepareConfig, config_file, flags))
+
+
+@cli.command()
+@settings_options(FinetuneConfig)
+@click.option("--resume", "resume_run", default=None, metavar="RUN_ID",
+              help="Continue this finetune run from its last DeepSpeed checkpoint.")
+def finetune(config_file, resume_run, **flags):
+    """Finetune a drafter from a parent with DeepSpeed ZeRO (one MLflow run)."""
+    from draftline.train.finetune import run
+
+    _result(run, _settings(FinetuneConfig, config_file, flags), resume_run=resume_run)
+
+
+@cli.command()
+@settings_options(ExportConfig)
+def export(config_file, **flags):
+    """Consolidate, validate and register a finetune run's drafter as a new model version."""
+    from draftline.export import run
+
+    _result(run, _settings(ExportConfig, config_file, flags))
+
+
+@cli.command("main")
+@click.option("--conversations", required=True, help="Conversations file for prepare.")
+@click.option("--verifier", required=True, help="Verifier directory or cached repo id.")
+@click.option("--init", default=FinetuneConfig.model_fields["init"].default, show_default=True,
+              help="Parent drafter (see finetune --help).")
+@click.option("--registered-model", default=ExportConfig.model_fields["registered_model"].default, show_default=True,
+              help="Registered model the version is added to.")
+@click.option("--set", "overrides", multiple=True, metavar="STEP.KEY=VALUE",
+              help="Extra entry-point parameter, e.g. finetune.steps=20 (repeatable).")
+@click.option("--no-cache", is_flag=True, help="Rerun every step even if a matching finished run exists.")
+def main_cmd(conversations, verifier, init, registered_model, overrides, no_cache):
+    """prepare -> finetune -> export as child runs of one MLflow run, reusing finished steps that match."""
+    from draftline.pipeline import run_main
+
+    extra: dict[str, dict[str, str]] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        step, dot, name = key.partition(".")
+        if not sep or not dot or step not in ("prepare", "finetune", "export"):
+            raise click.BadParameter(f"expected STEP.KEY=VALUE with STEP in prepare|finetune|export, got {item!r}",
+                                     param_hint="--set")
+        fields = {"prepare": PrepareConfig, "finetune": FinetuneConfig, "export": ExportConfig}[step].model_fields
+        name = name.replace("-", "_")
+        if name not in fields:
+            import difflib
+
+            near = difflib.get_close_matches(name, fields, n=1)
+            raise click.BadParameter(f"{step} has no setting {name!r}" + (f"; did you mean {step}.{near[0]}?" if near
+                                     else f"; see draftline {step} --help"), param_hint="--set")
+        extra.setdefault(step, {})[name] = value
+    _result(run_main, conversations=conversations, verifier=verifier, init=init,
+            registered_model=registered_model, extra=extra, use_cache=not no_cache)
+
+
+@cli.command()
+@click.argument("target")
+@click.option("--allow-pickle", is_flag=True, help="Read a pickle-only checkpoint (weights_only=True).")
+def inspect(target, allow_pickle):
+    """Describe a drafter checkpoint (directory, runs:/ or models:/ URI) without loading it."""
+    from draftline.inspect import describe
+
+    _result(describe, target, allow_pickle=allow_pickle)
+
+
+@cli.command()
+@click.option("--drafter", default=None, type=click.Path(exists=True),
+              help="Drafter directory or its config.json (speculators or SpecForge layout) "
+                   "[default: the real Kimi-K2 EAGLE-3 drafter's shape].")
+@click.option("--gpus", type=click.IntRange(1), default=8, show_default=True, help="GPUs per node.")
+@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--gpu-memory-gib", type=click.FloatRange(0, min_open=True), default=180.0, show_default=True,
+              help="Memory per GPU (180: B200).")
+@click.option("--tokens-per-batch", type=click.IntRange(1), default=4096, show_default=True,
+              help="Packed tokens per rank per step.")
+@click.option("--ttt-steps", type=click.IntRange(1, 16), default=3, show_default=True)
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--attn-impl", type=click.Choice(["sdpa", "eager", "simple_flex_attention"]), default="sdpa",
+              show_default=True)
+@click.option("--margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
+              help="Share of GPU memory kept free for what is not modelled (CUDA context, NCCL, fragmentation).")
+@click.option("--zero-stage", type=click.IntRange(0, 3), default=None,
+              help="The stage you will train with: exit 1 when it does not fit.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def plan(drafter, gpus, nodes, gpu_memory_gib, tokens_per_batch, ttt_steps, precision, attn_impl, margin,
+         zero_stage, as_json):
+    """GPU memory per ZeRO stage for finetuning a drafter: exact parameter counts (meta device), DeepSpeed's
+    model-state estimators, an activation estimate, and whether each stage fits."""
+    from draftline import plan as planning
+
+    with _stdout_to_stderr():
+        out = planning.make_plan(drafter, gpus=gpus, nodes=nodes, gpu_memory_gib=gpu_memory_gib,
+                                 tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps, precision=precision,
+                                 attn_impl=attn_impl, margin=margin, zero_stage=zero_stage)
+    click.echo(json.dumps(out, indent=2) if as_json else render_plan(out))
+    if zero_stage is not None:
+        planning.check(out, zero_stage)
+
+
+def render_plan(plan: dict) -> str:
+    """The plan as a plain-text table."""
+    from draftline import plan as planning
+
+    lg, lf, a = plan["largest_layer"], plan["largest_frozen_layer"], plan["activations"]
+    big = max(s["total"] for s in plan["stages"].values()) >= planning.GIB
+    unit, unit_name = (planning.GIB, "GiB") if big else (1 << 20, "MiB")  # tiny drafters in MiB
+    mem = "GPU memory unknown: fit not checked" if plan["gpu_memory_gib"] is None else (
+        f"{plan['gpu_memory_gib']:g} GiB per GPU less {plan['margin']:.0%} margin = {planning.gib(plan['budget_bytes'])} GiB")
+    lines = [
+        f"drafter: {plan['drafter']}",
+        f"  params {plan['params']:,} = trainable {plan['trainable']:,} + frozen {plan['frozen']:,} "
+        f"({', '.join(plan['frozen_names'])})",
+        f"  largest trainable layer {lg['name']} ({lg['params']:,}); largest frozen {lf['name']} ({lf['params']:,})",
+        f"setup: {plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s); {mem}",
+        f"  {plan['precision']}, tokens_per_batch {plan['tokens_per_batch']}, ttt_steps {plan['ttt_steps']}, "
+        f"attention {a['attn_impl']}",
+        "",
+        f"  {unit_name + ' per GPU':<12}{'model states':>13}{'frozen':>9}{'activations':>13}{'total':>9}"
+        f"{'headroom':>10}  fits",
+    ]
+    for stage, s in plan["stages"].items():
+        fits = "?" if s["fits"] is None else ("yes" if s["fits"] else "NO")
+        mark = "  <- chosen" if plan["zero_stage"] is not None and int(stage) == plan["zero_stage"] else ""
+        cells = [planning.gib(s[k], unit) for k in ("model_states", "frozen", "activations", "total", "headroom")]
+        lines.append(f"  ZeRO-{stage:<7}{cells[0]:>13}{cells[1]:>9}{cells[2]:>13}{cells[3]:>9}{cells[4]:>10}  "
+                     f"{fits}{mark}")
+    lines += ["", "model states (P trainable params, L largest trainable layer, N GPUs in all):"]
+    lines += [f"  ZeRO-{k}: {s['source']}" for k, s in plan["stages"].items()]
+    lines += [f"  frozen params: {2 if plan['precision'] == 'bf16' else 4} bytes each on every GPU; ZeRO-3 partitions "
+              "them and gathers the largest",
+              f"activations (an estimate): {a['formula']}",
+              f"  = {plan['tokens_per_batch']} x ({plan['ttt_steps']} x {a['per_step']:,} + {a['kv_cache']:,} + "
+              f"{a['once']:,} + {a['transient']:,}) + {a['quadratic']:,} bytes",
+              "", "DeepSpeed's own estimators for the trainable params (per CPU, per GPU, every offload option):",
+              *("  " + ln for ln in plan["deepspeed_estimators"].rstrip().splitlines())]
+    return "\n".join(lines)
+
+
+

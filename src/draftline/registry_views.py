@@ -1,0 +1,109 @@
+"""What the registry holds, for people: ``draftline list`` (models, versions, stages, aliases, headline
+metrics, parents) and ``draftline compare`` (versions side by side, their parents included)."""
+
+from __future__ import annotations
+
+from draftline.errors import RegistryError
+from draftline.lineage import HEADLINE_METRICS, VERSION_TAG_PARAMS
+from draftline.promotion import LOCK_SUFFIX
+from draftline.registry import mlflow_error, model_id_of, resolve_version
+
+HEADLINE = HEADLINE_METRICS[0]  # val/acceptance_length
+
+
+def _aliases_of(model) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for alias, version in (model.aliases or {}).items():
+        out.setdefault(str(version), []).append(alias)
+    return out
+
+
+def list_models(client) -> list[dict]:
+    rows = []
+    for m in client.search_registered_models():
+        if m.name.endswith(LOCK_SUFFIX):
+            continue
+        versions = client.search_model_versions(f"name='{m.name}'")
+        rows.append({"name": m.name, "versions": len(versions),
+                     "latest": max((int(v.version) for v in versions), default=None),
+                     "aliases": {a: str(v) for a, v in (m.aliases or {}).items()}})
+    return sorted(rows, key=lambda r: r["name"])
+
+
+def list_versions(client, name: str) -> list[dict]:
+    try:
+        model = client.get_registered_model(name)
+    except Exception as e:  # noqa: BLE001
+        raise RegistryError(f"registered model {name} does not exist: {mlflow_error(e)}; `draftline list` shows "
+                            "the models there are") from None
+    aliases = _aliases_of(model)
+    rows = []
+    for v in sorted(client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version)):
+        tags = v.tags
+        rows.append({"version": str(v.version), "stage": v.current_stage, "aliases": aliases.get(str(v.version), []),
+                     "metrics": {k: float(tags[f"metric.{k}"]) for k in HEADLINE_METRICS if f"metric.{k}" in tags},
+                     "parent": tags.get("parent.source"), "pairing": tags.get("train.pairing"),
+                     "model_id": model_id_of(v), "created": v.creation_timestamp})
+    return rows
+
+
+def render_models(rows: list[dict]) -> str:
+    if not rows:
+        return "no registered models"
+    lines = [f"{'model':<32} {'versions':>8} {'latest':>6}  aliases"]
+    for r in rows:
+        aliases = ", ".join(f"@{a}=v{v}" for a, v in sorted(r["aliases"].items())) or "-"
+        lines.append(f"{r['name']:<32} {r['versions']:>8} {str(r['latest']):>6}  {aliases}")
+    return "\n".join(lines)
+
+
+def render_versions(name: str, rows: list[dict]) -> str:
+    if not rows:
+        return f"{name} has no versions"
+    lines = [f"{'version':>7}  {'stage':<10} {'aliases':<22} {HEADLINE:>22}  parent"]
+    for r in rows:
+        metric = r["metrics"].get(HEADLINE)
+        lines.append(f"{r['version']:>7}  {r['stage']:<10} {', '.join('@' + a for a in r['aliases']) or '-':<22} "
+                     f"{'-' if metric is None else f'{metric:.4f}':>22}  {r['parent'] or '-'}")
+    return "\n".join(lines)
+
+
+def compare(client, name: str, versions: list[str]) -> dict:
+    """``{"columns": [...], "rows": {key: [value per column]}}``: the versions asked for, then each one's
+    registered parent not already among them; lineage first, then headline metrics, then where each stands."""
+    columns, mvs = [], []
+    for v in versions:
+        _, mv = resolve_version(client, v if v.startswith("models:/") else f"models:/{name}/{v}")
+        columns.append(f"v{mv.version}")
+        mvs.append(mv)
+    for mv in list(mvs):
+        source = mv.tags.get("parent.source", "")
+        if source.startswith("models:/"):
+            with_name, parent = resolve_version(client, source)
+            label = f"parent v{parent.version}" if with_name == name else f"parent {with_name}/v{parent.version}"
+            if with_name != name or f"v{parent.version}" not in columns:
+                if label not in columns:
+                    columns.append(label)
+                    mvs.append(parent)
+    keys = [*VERSION_TAG_PARAMS, "finetune.run_id", "export.sha256", *(f"metric.{k}" for k in HEADLINE_METRICS)]
+    rows = {k.removeprefix("metric."): [mv.tags.get(k) for mv in mvs] for k in keys}
+    rows["stage"] = [mv.current_stage for mv in mvs]
+    return {"name": name, "columns": columns, "rows": rows}
+
+
+def render_compare(table: dict) -> str:
+    cols = table["columns"]
+    width = max(len(k) for k in table["rows"])
+    cell = max(14, *(len(c) for c in cols))
+
+    def short(v):
+        s = "-" if v in (None, "") else str(v)
+        return s if len(s) <= cell else s[: cell - 1] + "…"
+
+    lines = [f"{'':<{width}}  " + "  ".join(f"{c:<{cell}}" for c in cols)]
+    for k, values in table["rows"].items():
+        differs = len({str(v) for v in values}) > 1
+        label = k + ("*" if differs else "")
+        lines.append(f"{label:<{width + 1}} " + "  ".join(f"{short(v):<{cell}}" for v in values))
+    lines.append(f"(* the versions differ; {table['name']})")
+    return "\n".join(lines)

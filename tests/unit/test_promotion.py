@@ -1,0 +1,128 @@
+"""Where a version stands, on the embedded sqlite store and on a real `mlflow server`: the alias is the truth
+and the stage always equals it; --demote, no-op promotions, rollback, a promoter killed between its writes, a
+stale lock, and `list` / `compare`."""
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import mlflow
+import pytest
+from click.testing import CliRunner
+from mlflow import MlflowClient
+
+from draftline.cli import cli
+from draftline.promotion import LOCK_SUFFIX
+
+from .test_registry import _version
+
+
+def run(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def agree(client, name):
+    """Stage holders equal alias targets, stage by stage."""
+    aliases = client.get_registered_model(name).aliases
+    for stage in ("Production", "Staging"):
+        held = sorted(str(v.version) for v in client.search_model_versions(f"name='{name}'")
+                      if v.current_stage == stage)
+        want = [str(aliases[stage.lower()])] if stage.lower() in aliases else []
+        assert held == want, (stage, held, aliases)
+    return {a: str(v) for a, v in aliases.items()}
+
+
+@pytest.fixture(params=["sqlite", "server"])
+def client(request, workspace, monkeypatch):
+    if request.param == "server":
+        uri = request.getfixturevalue("mlflow_server")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(f"promotion-{request.node.name}")
+    return MlflowClient()
+
+
+def test_stage_and_alias_agree_through_demote_noop_and_rollback(client):
+    name = f"d-{client.tracking_uri[:4]}"
+    for acc in (1.5, 1.6, 1.7):
+        _version(client, name, acc)
+    assert run("promote", name, "1", "--to", "Production").exit_code == 0
+    assert agree(client, name) == {"production": "1"}
+
+    r = run("promote", name, "1", "--to", "Production")  # the holder again: a no-op that says so
+    assert r.exit_code == 0 and "already holds Production" in r.output and "nothing changed" in r.output
+    r = run("promote", name, "1", "--to", "Production", "--dry-run")
+    assert "already holds Production; nothing would change" in r.output
+
+    r = run("promote", name, "1", "--to", "Staging")  # would leave Production empty
+    assert r.exit_code == 1 and "holds Production" in r.output and "--demote" in r.output
+    assert agree(client, name) == {"production": "1"}
+
+    assert run("promote", name, "2", "--to", "Staging").exit_code == 0
+    assert run("promote", name, "2", "--to", "Production").exit_code == 0  # Staging -> Production
+    assert agree(client, name) == {"production": "2"}  # @staging left with it
+    assert client.get_model_version(name, "1").current_stage == "Archived"
+
+    # rollback: back to v1, past the "not worse than current" rule, recorded
+    r = run("rollback", name, "--reason", "acceptance fell in serving")
+    assert r.exit_code == 0, r.output
+    assert "models:/" + name + "/1 is Production again" in r.output
+    assert agree(client, name) == {"production": "1"}
+    tags = client.get_model_version(name, "1").tags
+    assert tags["rolled_back.reason"] == "acceptance fell in serving" and tags["rolled_back.from"] == "2"
+    assert run("rollback", name, "--to", "3", "--reason", "try v3").exit_code == 0
+    assert agree(client, name) == {"production": "3"}
+
+    r = run("promote", name, "3", "--to", "Staging", "--demote")
+    assert r.exit_code == 0 and agree(client, name) == {"staging": "3"}  # Production empty, as asked
+    r = run("rollback", name, "--reason", "x")
+    assert r.exit_code == 1 and "nothing to roll back" in r.output
+
+
+@pytest.mark.parametrize("client", ["sqlite"], indirect=True)
+def test_rollback_keeps_the_integrity_rules(client):
+    name = "integrity"
+    _version(client, name, 1.5, **{"train.pairing": ""})  # trained before the pairing fix
+    _version(client, name, 1.5)
+    client.set_registered_model_alias(name, "production", "1")  # from an older registry
+    client.transition_model_version_stage(name, "1", "Production")
+    assert run("promote", name, "2", "--to", "Production").exit_code == 0
+    r = run("rollback", name, "--reason", "back")
+    assert r.exit_code == 1 and "FAIL  train.pairing is vllm-shifted" in r.output
+    assert agree(client, name) == {"production": "2"}
+
+
+def test_a_promoter_killed_between_its_writes_is_repaired_by_the_next_command(client):
+    name = "killed"
+    for _ in range(3):
+        _version(client, name, 1.5)
+    assert run("promote", name, "1", "--to", "Production").exit_code == 0
+    client.set_registered_model_alias(name, "production", "2")  # the alias written, then the promoter died
+    assert str(client.get_latest_versions(name, stages=["Production"])[0].version) == "1"  # they disagree now
+    # and it left its lock behind, long ago
+    client.create_registered_model(name + LOCK_SUFFIX, tags={
+        "owner": "ci@elsewhere:1", "since": (datetime.now(timezone.utc) - timedelta(minutes=5)).isoformat()})
+    r = run("promote", name, "3", "--to", "Staging")
+    assert r.exit_code == 0, r.output
+    assert agree(client, name) == {"production": "2", "staging": "3"}
+    assert name + LOCK_SUFFIX not in [m.name for m in client.search_registered_models()]
+
+
+@pytest.mark.parametrize("client", ["sqlite"], indirect=True)
+def test_list_and_compare(client):
+    name = "listed"
+    _version(client, name, 1.5)
+    _version(client, name, 1.8, **{"parent.source": f"models:/{name}/1", "data.digest": "ee" * 32})
+    assert run("promote", name, "2", "--to", "Production").exit_code == 0
+    models = json.loads(run("list", "--json").stdout)
+    assert {"name": name, "versions": 2, "latest": 2, "aliases": {"production": "2"}} in models
+    assert not any(m["name"].endswith(LOCK_SUFFIX) for m in models)
+    text = run("list", name).stdout
+    assert "@production" in text and "1.8000" in text and f"models:/{name}/1" in text
+    table = json.loads(run("compare", name, "2", "--json").stdout)
+    assert table["columns"] == ["v2", "parent v1"]  # the parent comes along
+    assert table["rows"]["val/acceptance_length"] == ["1.8", "1.5"]
+    assert table["rows"]["stage"] == ["Production", "None"]
+    text = run("compare", name, "1", "2").stdout
+    assert "data.digest*" in text and "init " in text
+    r = run("list", "no-such-model")
+    assert r.exit_code == 1 and "registered model no-such-model does not exist" in r.output
