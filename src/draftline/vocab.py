@@ -53,3 +53,26 @@ def remap_lm_head(old_lm_head: torch.Tensor, remap: VocabRemap, new_d2t: torch.T
     keep = remap.new_rows_from_old >= 0
     out[keep] = old_lm_head[remap.new_rows_from_old[keep]]
     return out
+
+
+def verifier_head(verifier: str) -> torch.Tensor:
+    """The verifier's output head, [target_vocab, hidden]: ``lm_head.weight``, or, for a verifier that ties its
+    embeddings (SmolLM2, Llama-3.2, Qwen2.5-small, Gemma: no ``lm_head.weight`` in the checkpoint), the input
+    embeddings it is tied to. Raises :class:`DataError` when neither is there."""
+    from speculators.utils.loading import load_model_layers
+
+    from draftline.errors import DataError
+
+    def load(name: str) -> torch.Tensor | None:
+        try:
+            return load_model_layers([name], verifier).get(name)
+        except ValueError:  # speculators: "None of the requested tensor names were found in the index"
+            return None
+
+    head = load("lm_head.weight")
+    if head is None:  # tied: the head is the embedding matrix (read only then: at Kimi-K2's size it is 2.3 GB)
+        head = load("embed_tokens.weight")
+    if head is None:
+        raise DataError(f"verifier {verifier} has neither lm_head.weight nor embed_tokens.weight: vocab=rebuild "
+                        "needs its output head to start new draft tokens from")
+    return head

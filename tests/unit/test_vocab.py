@@ -6,7 +6,7 @@ import torch
 from draftline.checkpoints import find_checkpoint, load_into_model, read_tensors
 from draftline.data.shards import open_prepared
 from draftline.train.model import build_draft_model, pack
-from draftline.vocab import build_vocab, draft_to_target_ids, plan_remap, remap_lm_head
+from draftline.vocab import build_vocab, draft_to_target_ids, plan_remap, remap_lm_head, verifier_head
 
 
 def _logits(model, batch):
@@ -19,7 +19,6 @@ def _logits(model, batch):
 
 
 def test_remap_keeps_predictions_on_shared_tokens_and_naive_load_does_worse(tiny, prepared):
-    from speculators.utils.loading import load_model_layers
 
     files = find_checkpoint(tiny["parent"])
     old = read_tensors(files, {"d2t", "t2d"})
@@ -37,7 +36,7 @@ def test_remap_keeps_predictions_on_shared_tokens_and_naive_load_does_worse(tiny
         return m.eval()
 
     parent = model_with(old["d2t"], old["t2d"], None)
-    full_head = load_model_layers(["lm_head.weight"], str(tiny["verifier"]))["lm_head.weight"]
+    full_head = verifier_head(str(tiny["verifier"]))
     remapped = model_with(new_d2t, new_t2d, lambda w: remap_lm_head(w, plan, new_d2t, full_head))
     naive = model_with(new_d2t, new_t2d, lambda w: w)  # the bug: the parent's rows under the new d2t
 
@@ -91,3 +90,25 @@ def test_parent_d2t_of_wrong_dtype_or_length_is_refused(tiny, prepared, tmp_path
     cfg = FinetuneConfig(data=str(prepared), init=str(p))
     with pytest.raises(CheckpointError, match="int64/bool" if bad == "dtype" else "d2t has 200 rows"):
         choose_vocab(cfg, find_checkpoint(p), open_prepared(prepared), 518)
+
+
+def test_the_output_head_of_a_verifier_with_tied_embeddings_is_its_embedding_matrix(tiny, tmp_path):
+    """SmolLM2, Llama-3.2, Qwen2.5 and Gemma tie lm_head to the embeddings: their checkpoints hold no
+    lm_head.weight, and vocab=rebuild must start new draft rows from the embedding rows instead."""
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from draftline.vocab import verifier_head
+
+    torch.manual_seed(0)
+    tied = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                        num_key_value_heads=2, num_hidden_layers=2, vocab_size=300,
+                                        tie_word_embeddings=True))
+    tied.save_pretrained(tmp_path / "tied")
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    head = verifier_head(str(tmp_path / "tied"))
+    assert torch.equal(head, tied.model.embed_tokens.weight.detach())
+    untied = verifier_head(str(tiny["verifier"]))  # an untied verifier: its own lm_head
+    with safe_open(str(tiny["verifier"] / "model.safetensors"), "pt") as f:
+        assert torch.equal(untied, f.get_tensor("lm_head.weight"))

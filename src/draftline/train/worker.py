@@ -131,13 +131,11 @@ def train(spec: WorkerSpec) -> None:
         parent_files = find_checkpoint(spec.parent_path, allow_pickle=spec.allow_pickle)
         remap = None
         if spec.vocab_policy == "rebuild":
-            from speculators.utils.loading import load_model_layers
-
             from draftline.checkpoints import read_tensors
-            from draftline.vocab import plan_remap, remap_lm_head
+            from draftline.vocab import plan_remap, remap_lm_head, verifier_head
 
             old_d2t = read_tensors(parent_files, {"d2t"})["d2t"]
-            full_head = load_model_layers(["lm_head.weight"], spec.verifier)["lm_head.weight"]
+            full_head = verifier_head(spec.verifier)
             plan = plan_remap(old_d2t, vocab["d2t"])
             remap = lambda old: remap_lm_head(old, plan, vocab["d2t"], full_head)  # noqa: E731
         report = load_into_model(model, parent_files, lm_head_remap=remap)
