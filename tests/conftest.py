@@ -101,6 +101,19 @@ def mlflow_server(tmp_path_factory):
     _stop(proc)
 
 
+@pytest.fixture(params=["sqlite", "server"])
+def store(request, workspace, monkeypatch):
+    """The registry on the embedded sqlite store, then on a real `mlflow server` on loopback."""
+    if request.param == "server":
+        uri = request.getfixturevalue("mlflow_server")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        import mlflow
+
+        mlflow.set_tracking_uri(uri)
+        monkeypatch.setenv("DRAFTLINE_EXPERIMENT", f"promote-{request.node.name}")
+    return request.param
+
+
 ADMIN = ("admin", "admin-password-for-tests-1")
 
 

@@ -31,12 +31,8 @@ def agree(client, name):
     return {a: str(v) for a, v in aliases.items()}
 
 
-@pytest.fixture(params=["sqlite", "server"])
-def client(request, workspace, monkeypatch):
-    if request.param == "server":
-        uri = request.getfixturevalue("mlflow_server")
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
+@pytest.fixture()
+def client(store, request):
     mlflow.set_experiment(f"promotion-{request.node.name}")
     return MlflowClient()
 
@@ -78,7 +74,7 @@ def test_stage_and_alias_agree_through_demote_noop_and_rollback(client):
     assert r.exit_code == 1 and "nothing to roll back" in r.output
 
 
-@pytest.mark.parametrize("client", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 def test_rollback_keeps_the_integrity_rules(client):
     name = "integrity"
     _version(client, name, 1.5, **{"train.pairing": ""})  # trained before the pairing fix
@@ -107,7 +103,7 @@ def test_a_promoter_killed_between_its_writes_is_repaired_by_the_next_command(cl
     assert name + LOCK_SUFFIX not in [m.name for m in client.search_registered_models()]
 
 
-@pytest.mark.parametrize("client", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 def test_list_and_compare(client):
     name = "listed"
     _version(client, name, 1.5)

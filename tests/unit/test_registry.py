@@ -1,7 +1,6 @@
 """Promotion through registry_policies/ on a real (sqlite) registry: pass, fail, dry run, aliases."""
 
 import mlflow
-import pytest
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
@@ -27,17 +26,6 @@ def _version(client, name, acc, **extra):
 
 def promote(*args):
     return CliRunner().invoke(cli, ["promote", *args], catch_exceptions=False)
-
-
-@pytest.fixture(params=["sqlite", "server"])
-def store(request, workspace, monkeypatch):
-    """The embedded sqlite store, then a real `mlflow server` on loopback."""
-    if request.param == "server":
-        uri = request.getfixturevalue("mlflow_server")
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
-        monkeypatch.setenv("DRAFTLINE_EXPERIMENT", f"promote-{request.node.name}")
-    return request.param
 
 
 def test_promotion_gates(store):
