@@ -102,7 +102,7 @@ def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], 
     from draftline.train.model import build_draft_model
 
     aux = json.loads(params["verifier.aux_layers"])
-    model = build_draft_model(params.get("verifier.path") or params["verifier.name_or_path"], d2t=state["d2t"], t2d=state["t2d"],
+    model = build_draft_model(local_verifier(params), d2t=state["d2t"], t2d=state["t2d"],
                               aux_layer_ids=aux, draft_vocab_size=int(state["d2t"].numel()),
                               ttt_steps=int(params["ttt_steps"]), dtype=torch.bfloat16, layer=layer)
     expected = {k for k in model.state_dict() if k not in VERIFIER_OWNED}
@@ -111,6 +111,12 @@ def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], 
         raise CheckpointError(f"the consolidated checkpoint lacks {', '.join(missing)}")
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     return model.eval()
+
+
+def local_verifier(params: dict[str, str]) -> str:
+    """Where the finetune run's verifier lies on this host (runs from before ``verifier.path`` kept it in
+    ``verifier.name_or_path``)."""
+    return params.get("verifier.path") or params["verifier.name_or_path"]
 
 
 def serving_id(cfg: ExportConfig, params: dict[str, str]) -> str:
@@ -196,16 +202,10 @@ def upload_with_checksums(out: Path, model_id: str) -> dict[str, str]:
         digests = pool.submit(sha256_manifest, out)
         client.log_model_artifacts(model_id, str(out))
         manifest = digests.result()
-    with tempfile.TemporaryDirectory(prefix="draftline-checksums-") as one:
-        (out / CHECKSUMS).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        shutil.copy2(out / CHECKSUMS, Path(one) / CHECKSUMS)
+    with tempfile.TemporaryDirectory(prefix="draftline-checksums-") as one:  # the API uploads folders only
+        (Path(one) / CHECKSUMS).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         client.log_model_artifacts(model_id, one)  # last: a model with checksums.json is complete
     return manifest
-
-
-def logged_model_name(registered_model: str) -> str:
-    """MLflow refuses '/', ':', '.', '%' and quotes in LoggedModel names."""
-    return re.sub(r"[/:.%\"']", "-", registered_model)
 
 
 def write_midlayer(model, out: Path, params: dict[str, str]) -> None:
@@ -297,12 +297,12 @@ def run(cfg: ExportConfig) -> dict[str, str]:
         except OSError as e:
             raise DraftlineError(f"cannot write the export to {e.filename or out} ({e.strerror}): point TMPDIR "
                                  "at a writable directory") from None
-        validate(model, out, verifier_path=params.get("verifier.path"))
+        validate(model, out, verifier_path=local_verifier(params))
         tracking.log_params_once({"export.layout": cfg.layout, "export.registered_model": cfg.registered_model,
                                   **{k: v for k, v in lineage.items() if k != "ttt_steps"}})
         # the drafter is an MLflow 3 LoggedModel: lineage as its params, the finetune run's metrics on it
         logged = mlflow.initialize_logged_model(
-            name=logged_model_name(cfg.registered_model), source_run_id=active.info.run_id,
+            name=lin.logged_model_name(cfg.registered_model), source_run_id=active.info.run_id,
             model_type="eagle3-drafter", params={k: str(v) for k, v in lineage.items()},
             tags={"draftline.kind": "drafter", "draftline.finetune.run_id": ft_id})
         try:
@@ -327,11 +327,12 @@ def run(cfg: ExportConfig) -> dict[str, str]:
                 **{f"metric.{k}": f"{v:.4f}" for k, v in metrics.items()}}
         mlflow.set_tags({"export.sha256": export_sha, "export.validated": "true",
                          "draftline.model_id": logged.model_id})
+        description = registry.describe(lineage)
         version = registry.register(client, cfg.registered_model, model_id=logged.model_id,
-                                    run_id=active.info.run_id, tags=tags, description=registry.describe(lineage))
+                                    run_id=active.info.run_id, tags=tags, description=description)
         mlflow.set_tags({"draftline.model_version": f"models:/{cfg.registered_model}/{version.version}",
                          "mlflow.runName": f"export → {cfg.registered_model} v{version.version}",
-                         "mlflow.note.content": registry.describe(lineage)})
+                         "mlflow.note.content": description})
     return {"run_id": active.info.run_id, "model_uri": f"models:/{cfg.registered_model}/{version.version}",
             "version": str(version.version)}
 

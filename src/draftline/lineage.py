@@ -135,6 +135,11 @@ def data_set_tags(manifest: dict) -> dict[str, str]:
             "location": manifest["location"]}
 
 
+def logged_model_name(name: str) -> str:
+    """``name`` as MLflow takes it for a LoggedModel (it refuses '/', ':', '.', '%' and quotes)."""
+    return re.sub(r"[/:.%\"']", "-", name)
+
+
 def parent_model_id(client, parent, *, sha256: str, layout: str, experiment_id: str) -> str | None:
     """The LoggedModel that stands for the parent: a registered parent's own model, or, for a parent outside
     MLflow (AQ-MedAI, a directory, an HF cache id), an external model recorded once per sha256."""
@@ -149,12 +154,10 @@ def parent_model_id(client, parent, *, sha256: str, layout: str, experiment_id: 
                                         max_results=1).to_list()
     if found:
         return found[0].model_id
-    import re
-
     import mlflow
 
     model = mlflow.create_external_model(
-        name=re.sub(r"[/:.%\"']", "-", parent.name), experiment_id=experiment_id, model_type="eagle3-drafter",
+        name=logged_model_name(parent.name), experiment_id=experiment_id, model_type="eagle3-drafter",
         params={"source": parent.source, "revision": parent.revision, "layout": layout, "sha256": sha256},
         tags={"draftline.kind": "parent", "draftline.parent.sha256": sha256, "parent.source": parent.source})
     return model.model_id
