@@ -83,7 +83,15 @@ class FinetuneConfig(_Strict):
     log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of samples held out for validation "
                                                                   "(0 disables it).")
-    val_every: int = Field(50, ge=1, description="Validate every N steps (and at the end) under val/.")
+    val_every: int = Field(50, ge=1, description="Validate every N steps (and at the end) under val/; the parent "
+                           "is validated before step 1. The best checkpoint by val/acceptance_length is kept "
+                           "beside the newest, and handed on.")
+    eval_data: str | None = Field(None, description="A fixed evaluation set (`runs:/<prepare run>/data` or a "
+                                  "directory) to validate on instead of a held-out val_fraction of the data, so "
+                                  "runs on different data compare.")
+    log_checkpoints: bool = Field(False, description="Also log the ZeRO checkpoints (optimizer state: ~12x the "
+                                  "weights) as artifacts; by default only the selected bf16 weights are logged "
+                                  "and the checkpoints stay in the work directory for --resume.")
     seed: int = Field(0, description="Seed for weights and batch order.")
     ds_config: str | None = Field(None, description="DeepSpeed JSON config (default configs/zero<stage>.json).")
     allow_pickle: bool = Field(False, description="Allow a pickle-only parent (loaded with weights_only=True).")
@@ -100,6 +108,36 @@ class ExportConfig(_Strict):
                                     "--verifier` [default: the one the data recorded].")
     layout: Literal["speculators", "midlayer"] = Field("speculators", description="Extra layout to write "
                                                        "(speculators is always written; midlayer adds SGLang's).")
+    checkpoint: str = Field("best", pattern=r"^(best|last|step\d+)$", description="Which checkpoint of the "
+                            "finetune run: best (by val/acceptance_length; the newest when no validation ran), "
+                            "last, or step<N>.")
+
+
+class EvaluateConfig(_Strict):
+    target: str = Field(description="The drafter: a finetune run (`runs:/<id>` or its id), models:/NAME/VERSION|"
+                                    "STAGE, models:/NAME@alias, a catalog parent (configs/parents.yaml), a local "
+                                    "directory or a cached HF repo id.")
+    data: str = Field(description="The evaluation set: `runs:/<prepare run>/data` or a prepared directory. Keep it "
+                                  "fixed and out of training, so every drafter is measured on the same prompts.")
+    checkpoint: str = Field("best", pattern=r"^(best|last|step\d+)$", description="For a finetune run: which "
+                            "checkpoint (best, last or step<N>).")
+    num_speculative_tokens: int = Field(3, ge=1, le=16, description="Draft tokens per step (vLLM's "
+                                        "num_speculative_tokens), also the teacher-forced positions.")
+    measured: bool = Field(True, description="Also measure real greedy chain speculative decoding against the "
+                           "verifier (--no-measured: teacher-forced only).")
+    max_new_tokens: int = Field(128, ge=1, le=8192, description="Tokens generated per prompt when measuring.")
+    max_prompts: int | None = Field(None, ge=1, description="Measure on at most this many prompts (default: "
+                                    "every sample's prompt).")
+    vllm_endpoint: str | None = Field(None, description="Measure on a vLLM server serving the verifier with this "
+                                      "drafter (its OpenAI base URL, e.g. http://127.0.0.1:8000/v1), reading its "
+                                      "spec-decode counters, instead of in this process.")
+    vllm_model: str | None = Field(None, description="Model name the vLLM server serves (default: its first).")
+    concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight on the vLLM server.")
+    verifier: str | None = Field(None, description="The verifier's directory on this machine (default: where the "
+                                 "evaluation set was captured from).")
+    draft_cost_ratio: float = Field(0.05, gt=0.0, le=1.0, description="Cost of one draft step relative to one "
+                                    "verifier step, for the recommended num_speculative_tokens.")
+    tokens_per_batch: int = Field(4096, ge=16, description="Packed tokens per teacher-forced batch.")
 
 
 SHIPPED = Path(__file__).parent / "shipped"  # configs/ and registry_policies/: links in a checkout, copies in a wheel

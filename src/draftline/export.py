@@ -1,5 +1,5 @@
-"""The export stage: consolidate the ZeRO checkpoint, write a directory vLLM loads as it is, validate it by
-reloading it through speculators, log it, and register it as a new model version carrying the lineage.
+"""The export stage: take the finetune run's handed-on weights, write a directory vLLM loads as it is, validate it
+by reloading it through speculators, log it, and register it as a new model version carrying the lineage.
 
 The directory (``drafter/``): ``config.json`` (speculators format, with the verifier, aux-layer ids, draft
 vocabulary and target hidden size always written), ``model.safetensors``, ``lineage.json``, ``README.md`` (a
@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -86,16 +85,6 @@ def _room_in_store(target: str):
                     size_fix="raise the limit, then export again")
 
 
-def consolidate(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """DeepSpeed's own consolidation (any ZeRO stage, any rank count) of the newest checkpoint."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    if not (checkpoint_dir / "latest").is_file():
-        raise CheckpointError(f"{checkpoint_dir} holds no DeepSpeed checkpoint (no 'latest' file)")
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints progress to stdout
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir))
-
-
 def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], layer: dict | None = None):
     """A fresh drafter for the run's verifier, decoder layer and vocabulary, with the consolidated weights."""
     from draftline.checkpoints import VERIFIER_OWNED
@@ -158,7 +147,7 @@ Trained by draftline for the verifier `{lineage.get('verifier.name_or_path')}` o
 
 ```
 vllm serve <this dir>   # the verifier comes from speculators_config.verifier.name_or_path
-vllm serve {lineage.get('verifier.name_or_path')} --speculative-config '{{"model": "<this dir>", "method": "eagle3", "num_speculative_tokens": {lineage.get('ttt_steps', 3)}}}'
+vllm serve {lineage.get('verifier.name_or_path')} --speculative-config '{{"model": "<this dir>", "method": "eagle3", "num_speculative_tokens": {lineage.get('eval.recommended_num_speculative_tokens', lineage.get('ttt_steps', 3))}}}'
 ```
 
 ## Lineage
@@ -278,18 +267,28 @@ def run(cfg: ExportConfig) -> dict[str, str]:
                             tags={"draftline.finetune.run_id": ft_id}) as active, \
             tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp:
         tmp = Path(tmp)
-        # the run's artifact URI, not runs:/ (whose repository hides why a download failed)
-        with _room_in_tmp(tmp):
-            ckpt = tracking.download(f"{ft.info.artifact_uri}/checkpoints", tmp)
+        from draftline.handoff import fetch_weights
         from draftline.train.model import LAYER_FILE
 
-        layer = json.loads((ckpt / LAYER_FILE).read_text()) if (ckpt / LAYER_FILE).is_file() else None
-        model = build_trained_model(consolidate(ckpt), params, layer)
-        shutil.rmtree(ckpt, ignore_errors=True)
+        with _room_in_tmp(tmp):
+            where, state, step = fetch_weights(ft, cfg.checkpoint, tmp / "weights")
+        layer = json.loads((where / LAYER_FILE).read_text()) if (where / LAYER_FILE).is_file() else None
+        model = build_trained_model(state, params, layer)
+        del state
+        shutil.rmtree(tmp / "weights", ignore_errors=True)
         lineage = {k: params[k] for k in lin.VERSION_TAG_PARAMS if k in params}
+        if step is not None:
+            lineage["checkpoint.step"] = str(step)
         lineage["verifier.name_or_path"] = serving_id(cfg, params)
         model.config.speculators_config.verifier.name_or_path = lineage["verifier.name_or_path"]
         lineage.update({"finetune.run_id": ft_id, "ttt_steps": params.get("ttt_steps", "3")})
+        from draftline.evaluation.stage import attach, evaluations_for
+
+        evaluated = evaluations_for(client, ft_id, step)
+        k = recommended_k(evaluated)
+        if k is not None:  # measured: vLLM reads num_speculative_tokens from here
+            model.config.speculators_config.proposal_methods[0].speculative_tokens = k
+            lineage["eval.recommended_num_speculative_tokens"] = str(k)
         out = tmp / "drafter"
         try:
             with _room_in_tmp(out):
@@ -299,6 +298,7 @@ def run(cfg: ExportConfig) -> dict[str, str]:
                                  "at a writable directory") from None
         validate(model, out, verifier_path=local_verifier(params))
         tracking.log_params_once({"export.layout": cfg.layout, "export.registered_model": cfg.registered_model,
+                                  "export.checkpoint": cfg.checkpoint,
                                   **{k: v for k, v in lineage.items() if k != "ttt_steps"}})
         # the drafter is an MLflow 3 LoggedModel: lineage as its params, the finetune run's metrics on it
         logged = mlflow.initialize_logged_model(
@@ -313,9 +313,10 @@ def run(cfg: ExportConfig) -> dict[str, str]:
                     write_midlayer(model, tmp / "midlayer", params)
                 with _room_in_store(f"{active.info.artifact_uri}/midlayer"):
                     mlflow.log_artifacts(str(tmp / "midlayer"), artifact_path="midlayer")
-            step = int(params.get("train.steps", 0))
-            for k, v in metrics.items():  # the finetune run's final values, attached to the model
-                client.log_metric(active.info.run_id, k, v, step=step, model_id=logged.model_id)
+            last = int(params.get("train.steps", 0))
+            for key, v in metrics.items():  # the finetune run's final values, attached to the model
+                client.log_metric(active.info.run_id, key, v, step=last, model_id=logged.model_id)
+            attach(evaluated, logged.model_id)  # evaluations of this checkpoint, linked to their data sets
             mlflow.set_logged_model_tags(logged.model_id, {"export.sha256": export_sha, "export.validated": "true"})
             mlflow.finalize_logged_model(logged.model_id, "READY")
         except BaseException:
@@ -335,6 +336,16 @@ def run(cfg: ExportConfig) -> dict[str, str]:
                          "mlflow.note.content": description})
     return {"run_id": active.info.run_id, "model_uri": f"models:/{cfg.registered_model}/{version.version}",
             "version": str(version.version)}
+
+
+def recommended_k(evaluated: list[dict]) -> int | None:
+    """The num_speculative_tokens the newest measured evaluation recommends, if any."""
+    from draftline.evaluation.results import RECOMMENDED_K
+
+    for result in evaluated:
+        if RECOMMENDED_K in result["metrics"]:
+            return int(result["metrics"][RECOMMENDED_K])
+    return None
 
 
 def export_digest(manifest: dict[str, str]) -> str:

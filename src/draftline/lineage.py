@@ -16,9 +16,10 @@ METADATA_FILE = "training_metadata.json"
 VERSION_TAG_PARAMS = (
     "init", "parent.name", "parent.source", "parent.revision", "parent.sha256", "parent.layout",
     "parent.key_remap", "vocab.policy", "vocab.draft_size", "verifier.name_or_path", "verifier.aux_layers",
-    "verifier.revision", "data.digest", "train.pairing",
+    "verifier.revision", "data.digest", "train.pairing", "eval.data.digest",
 )
-HEADLINE_METRICS = ("val/acceptance_length", "train/acceptance_length", "train/full_acc_0", "train/loss")
+HEADLINE_METRICS = ("val/acceptance_length", "parent.val/acceptance_length", "train/acceptance_length",
+                    "train/full_acc_0", "train/loss")
 
 
 def versions() -> dict[str, str]:

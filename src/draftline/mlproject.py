@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from draftline.config import ExportConfig, FinetuneConfig, PrepareConfig
+from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig
 
 HEADER = """\
 # Generated from src/draftline/config.py by `python -m draftline.mlproject > MLproject`: do not edit by hand.
@@ -38,7 +38,8 @@ def default_of(field) -> str | None:
     return str(value)
 
 
-STAGES: dict[str, type[BaseModel]] = {"prepare": PrepareConfig, "finetune": FinetuneConfig, "export": ExportConfig}
+STAGES: dict[str, type[BaseModel]] = {"prepare": PrepareConfig, "finetune": FinetuneConfig, "evaluate": EvaluateConfig,
+                                      "export": ExportConfig}
 # `main` chains the three; `--set STEP.KEY=VALUE` reaches any other setting.
 MAIN = {"conversations": None, "verifier": None, "init": default_of(FinetuneConfig.model_fields["init"]),
         "registered_model": default_of(ExportConfig.model_fields["registered_model"])}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -23,9 +23,20 @@ class TagValue(BaseModel):
     why: str = Field("", description="shown when the tag is missing or differs: why the value matters, the fix")
 
 
+class EvaluationRule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    data: str = Field(min_length=1, description="the evaluation set every eval/ metric rule reads: its name (as "
+                      "prepare --name gave it) or a prefix of its digest (8+ hex digits)")
+    prefer_measured: bool = Field(True, description="eval/acceptance_length is the measured one when both sides "
+                                  "have it, else the teacher-forced one")
+    require_lossless: bool = Field(True, description="a measured evaluation must have reproduced the verifier's "
+                                   "greedy output token for token")
+
+
 class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
     stage: str = Field(pattern="^(Staging|Production)$")
+    evaluation: EvaluationRule | None = None
     require_tags: list[str] = Field(default_factory=list)
     require_tag_values: dict[str, TagValue] = Field(default_factory=dict)
     export_validated: bool = True
@@ -40,6 +51,18 @@ class RuleResult:
     rule: str
     passed: bool
     detail: str
+
+
+@dataclass
+class Evidence:
+    """The evaluations of the version, of the current Production and of the parent (``None``: random init),
+    as :func:`draftline.evaluation.results.evaluations_of` reads them; hints say how to evaluate each."""
+    version: list = field(default_factory=list)
+    current: list = field(default_factory=list)
+    parent: list | None = None
+    version_hint: str = ""
+    current_hint: str = ""
+    parent_hint: str = ""
 
 
 def policy_path(stage: str) -> Path:
@@ -69,8 +92,9 @@ def _metric(mv, key: str) -> float | None:
     return float(value) if value not in (None, "") else None
 
 
-def evaluate(policy: Policy, mv, *, current=None, parent=None) -> list[RuleResult]:
-    """Every rule with pass/fail and its numbers. ``current``/``parent`` are model versions or None."""
+def evaluate(policy: Policy, mv, *, current=None, parent=None, evidence: Evidence | None = None) -> list[RuleResult]:
+    """Every rule with pass/fail and its numbers. ``current``/``parent`` are model versions or None; metric
+    rules on ``eval/*`` read ``evidence`` on the policy's evaluation set, the others the version's tags."""
     out = []
     missing = [t for t in policy.require_tags if not mv.tags.get(t)]
     out.append(RuleResult("lineage tags present", not missing,
@@ -83,13 +107,26 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None) -> list[RuleResul
     if policy.export_validated:
         ok = mv.tags.get("export.validated") == "true"
         out.append(RuleResult("export validated", ok, f"export.validated={mv.tags.get('export.validated')}"))
+    ev = None
+    if policy.evaluation is not None:
+        ev, result = _evaluated(policy.evaluation, evidence or Evidence())
+        out.extend(result)
     for key, floor in policy.min_metrics.items():
+        if key.startswith("eval/"):
+            v = ev.value(key, prefer_measured=policy.evaluation.prefer_measured) if ev else None
+            out.append(RuleResult(f"{key} >= {floor}", v is not None and v >= floor,
+                                  (f"{key}={v:.4f} ({ev.summary()})" if v is not None else f"{key} not measured")
+                                  if ev else "no evaluation on the policy's set"))
+            continue
         v = _metric(mv, key)
         out.append(RuleResult(f"{key} >= {floor}", v is not None and v >= floor,
                               f"{key}={v}" if v is not None else f"{key} not recorded"))
     for label, cmp_, other in (("current Production", policy.not_worse_than_current, current),
                                ("parent", policy.not_worse_than_parent, parent)):
         if cmp_ is None:
+            continue
+        if cmp_.metric.startswith("eval/"):
+            out.append(_compare_evaluations(policy, cmp_, label, ev, evidence or Evidence(), other))
             continue
         if other is None:
             out.append(RuleResult(f"not worse than {label}", True, f"no {label} version: nothing to compare"))
@@ -107,3 +144,52 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None) -> list[RuleResul
         a, b = mv.tags.get("verifier.name_or_path"), current.tags.get("verifier.name_or_path")
         out.append(RuleResult("same verifier as current Production", a == b, f"{a} vs {b}"))
     return out
+
+
+def _evaluated(rule: EvaluationRule, evidence: Evidence):
+    """The version's evaluation on the policy's set, and the rules about it."""
+    from draftline.evaluation.results import LOSSLESS, on_set
+
+    ev = on_set(evidence.version, rule.data)
+    if ev is None:
+        return None, [RuleResult(f"evaluated on {rule.data}", False,
+                                 f"no evaluation on {rule.data}: {evidence.version_hint}")]
+    out = [RuleResult(f"evaluated on {rule.data}", True, f"{ev.name} {ev.digest[:12]}: {ev.summary()}")]
+    if rule.require_lossless and LOSSLESS in ev.metrics:
+        ok = ev.metrics[LOSSLESS] == 1.0
+        out.append(RuleResult("speculative decoding lossless", ok, "output identical to the verifier's greedy "
+                              "output" if ok else "the measured run changed the verifier's output: a bug; do not "
+                              "serve it, report it"))
+    return ev, out
+
+
+def _compare_evaluations(policy: Policy, cmp_: Comparison, label: str, ev, evidence: Evidence, other) -> RuleResult:
+    """``cmp_.metric`` of the version vs ``label`` (current Production or parent) on the same evaluation set;
+    measured against measured, else teacher-forced against teacher-forced; never across data sets."""
+    from draftline.evaluation.results import HEADLINE, on_digest, on_set
+
+    rule = f"{cmp_.metric} not worse than {label}" + (f" - {cmp_.margin}" if cmp_.margin else "")
+    theirs_all = evidence.parent if label == "parent" else evidence.current
+    hint = evidence.parent_hint if label == "parent" else evidence.current_hint
+    if label == "parent" and theirs_all is None:
+        return RuleResult(rule, True, "random init: no parent to compare with")
+    if label != "parent" and other is None:
+        return RuleResult(rule, True, f"no {label} version: nothing to compare")
+    if ev is None:
+        return RuleResult(rule, False, "the version has no evaluation on the policy's set")
+    theirs = on_digest(theirs_all, ev.digest)
+    if theirs is None:
+        elsewhere = on_set(theirs_all, policy.evaluation.data) if theirs_all else None
+        why = (f"the {label} was evaluated on another data set named {elsewhere.name} ({elsewhere.digest[:12]}, "
+               f"not {ev.digest[:12]}): numbers from different evaluation sets are not compared"
+               if elsewhere else f"the {label} has no evaluation on {ev.name} ({ev.digest[:12]})")
+        return RuleResult(rule, False, f"{why}: {hint}")
+    prefer = policy.evaluation.prefer_measured
+    if cmp_.metric == HEADLINE:  # like with like: measured only when both were measured
+        prefer = prefer and ev.headline_kind() == "measured" and theirs.headline_kind() == "measured"
+    v, w = ev.value(cmp_.metric, prefer_measured=prefer), theirs.value(cmp_.metric, prefer_measured=prefer)
+    if v is None or w is None:
+        return RuleResult(rule, False, f"{cmp_.metric} missing ({v} vs {w})")
+    kind = ("measured" if prefer else "teacher-forced") if cmp_.metric == HEADLINE else cmp_.metric
+    detail = f"{kind} {v:.4f} vs {label} {w:.4f} ({v - w:+.4f}); version {ev.summary()}; {label} {theirs.summary()}"
+    return RuleResult(rule, v >= w - cmp_.margin, detail)

@@ -186,7 +186,12 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
                                 "Production empty. Promote another version to Production first (or roll back), "
                                 "or pass --demote")
         current = _get_version(client, name, truth["Production"]) if truth["Production"] else None
-        results = evaluate(policy, mv, current=current, parent=_parent_version(client, mv))
+        evidence = None
+        if policy.evaluation is not None:
+            from draftline.evaluation.results import evidence_for
+
+            evidence = evidence_for(client, name, mv, current, policy.evaluation.data)
+        results = evaluate(policy, mv, current=current, parent=_parent_version(client, mv), evidence=evidence)
         if any(not r.passed for r in results):
             raise RegistryError(f"models:/{name}/{version} does not meet {policy_file.name}; nothing changed:\n"
                                 + format_results(results))
@@ -231,7 +236,14 @@ def rollback(client, name: str, *, to: str | None = None, reason: str, policy_fi
     if not reason.strip():
         raise RegistryError("a rollback needs a reason: pass --reason TEXT (it is recorded on the version)")
     policy_file = Path(policy_file) if policy_file else policy_path("Production")
-    policy = load_policy(policy_file).model_copy(update={"not_worse_than_current": None})
+    policy = load_policy(policy_file)
+    # a rollback returns to a version that served before: integrity rules apply, comparisons and evaluation
+    # requirements (which a version from before evaluations cannot meet) do not
+    parent_rule = policy.not_worse_than_parent
+    policy = policy.model_copy(update={
+        "not_worse_than_current": None, "evaluation": None,
+        "min_metrics": {k: v for k, v in policy.min_metrics.items() if not k.startswith("eval/")},
+        "not_worse_than_parent": None if parent_rule and parent_rule.metric.startswith("eval/") else parent_rule})
 
     def change():
         with promotion_lock(client, name):

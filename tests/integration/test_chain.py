@@ -57,9 +57,18 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert parent_model.tags["draftline.parent.sha256"] == p["parent.sha256"]
     assert parent_model.params["source"] == "draftline/tiny-parent"
     artifacts = {a.path for a in client.list_artifacts(ft["run_id"])}
-    assert {"checkpoints", "training_metadata.json", "parent_load_report.json",
+    assert {"weights", "training_metadata.json", "parent_load_report.json",
             "per_position_accuracy.png"} <= artifacts
+    assert "checkpoints" not in artifacts  # weights-only hand-off: no optimizer state leaves the work directory
+    assert {a.path for a in client.list_artifacts(ft["run_id"], "weights")} == {
+        "weights/model.safetensors", "weights/layer_config.json", "weights/selection.json",
+        "weights/training_metadata.json"}
     assert "val/acceptance_length" in run.data.metrics and "system/cpu_utilization_percentage" in run.data.metrics
+    # the parent is measured before step 1, on the same held-out samples, and the best checkpoint is handed on
+    [at_start] = [m for m in client.get_metric_history(ft["run_id"], "val/acceptance_length") if m.step == 0]
+    assert run.data.metrics["parent.val/acceptance_length"] == at_start.value
+    assert run.data.tags["draftline.checkpoint.selected"] == "best"
+    assert int(run.data.tags["draftline.checkpoint.best_step"]) <= int(run.data.tags["draftline.checkpoint.last_step"])
 
     ex = invoke("export", "--run", ft["run_id"], "--registered-model", "tiny-drafter", "--layout", "midlayer")
     assert ex["model_uri"] == "models:/tiny-drafter/1"

@@ -1,4 +1,4 @@
-"""The pipeline's commands: make-tiny, prepare, finetune, export, main, plan, inspect."""
+"""The pipeline's commands: make-tiny, prepare, finetune, evaluate, export, main, plan, inspect."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, settings_options
-from draftline.config import ExportConfig, FinetuneConfig, PrepareConfig
+from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig
 
 
 @cli.command("make-tiny")
@@ -49,6 +49,16 @@ def finetune(config_file, resume_run, **flags):
     from draftline.train.finetune import run
 
     _result(run, _settings(FinetuneConfig, config_file, flags), resume_run=resume_run)
+
+
+@cli.command()
+@settings_options(EvaluateConfig)
+def evaluate(config_file, **flags):
+    """Measure a drafter (a parent, a version or a finetune run) on a fixed evaluation set: teacher-forced and
+    by real speculative decoding against the verifier; logged onto its model (one MLflow run)."""
+    from draftline.evaluation.stage import run
+
+    _result(run, _settings(EvaluateConfig, config_file, flags))
 
 
 @cli.command()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from draftline import handoff, lineage
 from draftline.config import FinetuneConfig, work_dir
 from draftline.drafter_shape import aux_layer_ids, key_remap, layer_config
 from draftline.errors import CheckpointError, DataError
@@ -209,7 +210,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     import mlflow
     from safetensors.torch import save_file
 
-    from draftline import lineage, tracking
+    from draftline import tracking
     from draftline.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
     from draftline.data.shards import open_prepared
     from draftline.parents import resolve_init
@@ -225,6 +226,10 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
         data_run_id = tracking.parse_run_ref(cfg.data)[0] if cfg.data.startswith("runs:/") else None
         data = open_prepared(resolve_data(cfg.data, work / "data"), verify=True)
         manifest = data.manifest
+        eval_data = open_prepared(resolve_data(cfg.eval_data, work / "eval_data"), verify=True) \
+            if cfg.eval_data else None
+        if eval_data is not None:
+            check_same_verifier(manifest, eval_data.manifest, cfg.eval_data)
 
         parent = resolve_init(cfg.init, cache=work_dir() / "cache")
         files, layout, sha, remap = None, "none", "none", "none"
@@ -263,8 +268,9 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             **optimizer_params(conf),
             "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
             "train.precision": cfg.precision, "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl,
-            "train.val_fraction": cfg.val_fraction,
+            "train.val_fraction": cfg.val_fraction if eval_data is None else 0.0,
             "train.pairing": PAIRING,
+            "eval.data.digest": eval_data.manifest["digest"] if eval_data is not None else "none",
         }
         if resume_run:
             refuse_unpaired_resume(run_id)
@@ -294,6 +300,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             tokens_per_batch=cfg.tokens_per_batch, precision=cfg.precision, seed=cfg.seed,
             save_every=cfg.save_every, log_every=cfg.log_every, attn_impl=cfg.attn_impl,
             val_fraction=cfg.val_fraction, val_every=cfg.val_every, ds_config=conf, checkpoint_dir=str(ckpt_dir),
+            eval_data_dir=str(eval_data.root) if eval_data is not None else None,
             load_report=str(work / "parent_load_report.json"), error_file=str(work / "rank_error.json"))
         (ckpt_dir / LAYER_FILE).write_text(json.dumps(layer, indent=2, sort_keys=True) + "\n")  # export reads it
         record_plan(cfg, ranks, on_cpu, manifest["verifier"], counts["draft_size"], manifest["aux_layer_ids"],
@@ -308,6 +315,33 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
         mlflow.log_artifact(str(work / "training_config.json"))
         if (work / "parent_load_report.json").is_file():
             mlflow.log_artifact(str(work / "parent_load_report.json"))
-        mlflow.log_artifacts(str(ckpt_dir), artifact_path="checkpoints")
+        selected = hand_off(ckpt_dir, work / handoff.WEIGHTS, layer, meta)
+        mlflow.log_artifacts(str(work / handoff.WEIGHTS), artifact_path=handoff.WEIGHTS)
+        mlflow.set_tags(handoff.run_tags(selected))
+        if cfg.log_checkpoints:
+            mlflow.log_artifacts(str(ckpt_dir), artifact_path="checkpoints")
         log_accuracy_chart(run_id, cfg.ttt_steps)
-    return {"run_id": run_id, "checkpoint_uri": f"runs:/{run_id}/checkpoints"}
+    return {"run_id": run_id, "weights_uri": f"runs:/{run_id}/{handoff.WEIGHTS}",
+            "checkpoint": f"{selected['selected']} (step {selected['step']})"}
+
+
+def hand_off(ckpt_dir: Path, out: Path, layer: dict, meta: dict) -> dict:
+    """Consolidate the selected checkpoint (the best by validation, else the newest) into bf16 weights."""
+    selected = handoff.selection(ckpt_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    handoff.write_weights(handoff.consolidate(ckpt_dir, selected["tag"]), out, layer=layer, selected=selected)
+    lineage.write_json(out / lineage.METADATA_FILE, meta)
+    best = selected.get("best")
+    print(f"[draftline] handing on the {selected['selected']} checkpoint (step {selected['step']}"
+          + (f", {best['metric']} {best['value']:.3f}" if best else "") + f"); newest step {selected['last_step']}",
+          file=sys.stderr, flush=True)
+    return selected
+
+
+def check_same_verifier(manifest: dict, other: dict, ref: str) -> None:
+    """An evaluation set must come from the same verifier and aux layers as the training data."""
+    for key in ("verifier_id", "aux_layer_ids", "hidden_size", "vocab_size"):
+        a, b = manifest.get(key), other.get(key)
+        if a is not None and b is not None and a != b:
+            raise DataError(f"evaluation set {ref} has {key} {b}, the training data {a}: prepare the evaluation "
+                            "set with the same verifier and --aux-layers")

@@ -31,6 +31,8 @@ class WorkerSpec(BaseModel):
     attn_impl: str
     val_fraction: float = Field(ge=0.0, lt=1.0)
     val_every: int = Field(ge=1)
+    eval_data_dir: str | None = Field(None, description="A fixed evaluation set validated on instead of a held-out "
+                                      "slice of the training data.")
     ds_config: dict[str, Any] = Field(description="The resolved DeepSpeed config the engine is built from.")
     checkpoint_dir: str
     load_report: str = Field(description="Where rank 0 writes the parent-load report (JSON).")

@@ -94,6 +94,7 @@ def train(spec: WorkerSpec) -> None:
 
     from draftline.checkpoints import find_checkpoint, load_into_model
     from draftline.data.shards import open_prepared
+    from draftline.handoff import BEST_TAG, read_best, write_best
     from draftline.train.batches import batches, prefetch
     from draftline.train.model import (
         accumulate,
@@ -117,7 +118,10 @@ def train(spec: WorkerSpec) -> None:
 
     # data: every rank memory-maps the same shards and takes its own batches
     data = open_prepared(Path(spec.data_dir))
-    records, val_records = split_validation(data.records(), spec.val_fraction)
+    if spec.eval_data_dir:  # a fixed evaluation set: every training sample trains
+        records, val_records = data.records(), open_prepared(Path(spec.eval_data_dir)).records()
+    else:
+        records, val_records = split_validation(data.records(), spec.val_fraction)
 
     # model: built, cast, then the parent's weights copied in (never under zero.Init; see DESIGN.md)
     from safetensors.torch import load_file
@@ -154,6 +158,7 @@ def train(spec: WorkerSpec) -> None:
         if rank == 0:
             print(f"[draftline] resumed from {ckpt_dir} at step {start_step}", flush=True)
 
+    best = read_best(ckpt_dir)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
     client = MlflowClient() if rank == 0 and spec.run_id else None
@@ -163,6 +168,13 @@ def train(spec: WorkerSpec) -> None:
                      start_step=start_step)
     pin = (lambda b: {k: v.pin_memory() for k, v in b.items()}) if on_gpu else (lambda b: b)
     packed = prefetch(pin(pack(records_of_step)) for records_of_step in stream)
+    if val_records and start_step == 0:  # the parent (or the random init), measured before it changes
+        val = validate(engine, val_records, spec, device, dtype, cfg, rank, world)
+        if client:
+            start = {f"val/{k}": v for k, v in val.items()}
+            if spec.parent_path:
+                start.update({f"parent.val/{k}": val[k] for k in ("acceptance_length", "full_acc_0") if k in val})
+            _log_metrics(client, spec.run_id, start, 0)
     engine.train()
     step, tick = start_step, time.perf_counter()
     window_tokens = 0
@@ -189,10 +201,16 @@ def train(spec: WorkerSpec) -> None:
             val = validate(engine, val_records, spec, device, dtype, cfg, rank, world)
             if client:
                 _log_metrics(client, spec.run_id, {f"val/{k}": v for k, v in val.items()}, step)
+            if best is None or val["acceptance_length"] > best["value"]:  # kept beside the newest
+                best = {"step": step, "metric": "val/acceptance_length", "value": val["acceptance_length"]}
+                engine.save_checkpoint(str(ckpt_dir), tag=BEST_TAG, client_state={"step": step, "best": best},
+                                       save_latest=False)
+                if rank == 0:
+                    write_best(ckpt_dir, best)
             engine.train()
         if step % spec.save_every == 0 or step == steps or stop["now"]:
             engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
-            if rank == 0:  # keep the newest checkpoint only (save_checkpoint ends with a barrier)
+            if rank == 0:  # keep the newest checkpoint (and the best) only; save_checkpoint ends with a barrier
                 for old in ckpt_dir.glob("step*"):
                     if old.name != f"step{step}":
                         shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,115 @@
+"""Evaluation results read back: the ``eval/*`` metrics an evaluation attached to a drafter's LoggedModel, per
+evaluation set (name and digest), as export carries them and promotion policies compare them.
+
+``eval/acceptance_length`` is the headline: the measured acceptance length (vLLM's ``1 + accepted/drafts``)
+when the evaluation measured it, else the teacher-forced one. Two drafters compare only on the same evaluation
+set (same digest), and measured only against measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftline.errors import RegistryError
+
+MEASURED = "eval/measured/acceptance_length"
+TEACHER_FORCED = "eval/teacher_forced/acceptance_length"
+HEADLINE = "eval/acceptance_length"
+LOSSLESS = "eval/measured/lossless"
+RECOMMENDED_K = "eval/recommended_num_speculative_tokens"
+
+
+@dataclass
+class Evaluation:
+    name: str  # the evaluation set's name, as prepare logged it
+    digest: str  # the data set digest MLflow keeps (the first 36 hex digits of the shards' sha256)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def value(self, metric: str, *, prefer_measured: bool = True) -> float | None:
+        if metric == HEADLINE:
+            kind = self.headline_kind(prefer_measured)
+            return self.metrics.get(MEASURED if kind == "measured" else TEACHER_FORCED)
+        return self.metrics.get(metric)
+
+    def headline_kind(self, prefer_measured: bool = True) -> str:
+        return "measured" if prefer_measured and MEASURED in self.metrics else "teacher-forced"
+
+    def summary(self) -> str:
+        tf, me = self.metrics.get(TEACHER_FORCED), self.metrics.get(MEASURED)
+        parts = [f"measured {me:.3f}" if me is not None else "measured -",
+                 f"teacher-forced {tf:.3f}" if tf is not None else "teacher-forced -"]
+        return ", ".join(parts)
+
+
+def evaluations_of(client, model_id: str | None) -> list[Evaluation]:
+    """Every evaluation set ``model_id`` was evaluated on; the newest value of each metric."""
+    if not model_id:
+        return []
+    try:
+        model = client.get_logged_model(model_id)
+    except Exception:  # noqa: BLE001
+        return []
+    by_set: dict[tuple[str, str], tuple[Evaluation, dict[str, int]]] = {}
+    for m in model.metrics or []:
+        if not m.key.startswith("eval/") or not m.dataset_digest:
+            continue
+        ev, stamps = by_set.setdefault((m.dataset_name or "", m.dataset_digest),
+                                       (Evaluation(m.dataset_name or "", m.dataset_digest), {}))
+        if m.timestamp >= stamps.get(m.key, -1):
+            ev.metrics[m.key], stamps[m.key] = m.value, m.timestamp
+    return [ev for ev, _ in by_set.values()]
+
+
+def on_set(evaluations: list[Evaluation], wanted: str) -> Evaluation | None:
+    """The evaluation on the set ``wanted`` names (its name, or a prefix of its digest of 8+ digits). Two sets
+    of that name with different digests are ambiguous: refused."""
+    hits = [e for e in evaluations if e.name == wanted or (len(wanted) >= 8 and e.digest.startswith(wanted))]
+    digests = {e.digest for e in hits}
+    if len(digests) > 1:
+        raise RegistryError(f"evaluation set {wanted!r} names {len(digests)} data sets (digests "
+                            f"{', '.join(sorted(d[:12] for d in digests))}): name it by digest in the policy")
+    return hits[0] if hits else None
+
+
+def on_digest(evaluations: list[Evaluation], digest: str) -> Evaluation | None:
+    return next((e for e in evaluations if e.digest == digest), None)
+
+
+def _parent_evaluations(client, mv) -> tuple[list[Evaluation] | None, str]:
+    """The parent's evaluations (``None`` for a random init) and the ``--target`` that evaluates it."""
+    from draftline.registry import model_id_of, resolve_version
+
+    source = mv.tags.get("parent.source", "none")
+    if source in ("", "none"):
+        return None, ""
+    if source.startswith("models:/"):
+        try:
+            return evaluations_of(client, model_id_of(resolve_version(client, source)[1])), source
+        except Exception:  # noqa: BLE001
+            return [], source
+    target = mv.tags.get("init") or source
+    sha = mv.tags.get("parent.sha256", "")
+    try:
+        experiment = client.get_run(mv.run_id).info.experiment_id
+        found = client.search_logged_models([experiment], max_results=1,
+                                            filter_string=f"tags.`draftline.parent.sha256` = '{sha}'").to_list()
+    except Exception:  # noqa: BLE001
+        found = []
+    return (evaluations_of(client, found[0].model_id) if found else []), target
+
+
+def evidence_for(client, name: str, mv, current, data: str):
+    """What a policy with an evaluation rule compares: the evaluations of ``mv``, of ``current`` (the version
+    in Production, or None) and of ``mv``'s parent, with the command that evaluates each."""
+    from draftline.policies import Evidence
+    from draftline.registry import model_id_of
+
+    def hint(target: str) -> str:
+        return f"run `draftline evaluate --target {target} --data <the {data} set: runs:/<prepare run>/data>`"
+
+    parent, parent_target = _parent_evaluations(client, mv)
+    return Evidence(version=evaluations_of(client, model_id_of(mv)),
+                    current=evaluations_of(client, model_id_of(current)) if current is not None else [],
+                    parent=parent, version_hint=hint(f"models:/{name}/{mv.version}"),
+                    current_hint=hint(f"models:/{name}/{current.version}") if current is not None else "",
+                    parent_hint=hint(parent_target) if parent_target else "")

@@ -1,0 +1,188 @@
+"""The evaluate stage: one drafter (a parent, a registered version or a finetune run) on one fixed evaluation
+set, measured two ways, logged as one MLflow run and onto the drafter's LoggedModel with the data set.
+
+* teacher-forced: speculators' forward over the prepared samples (``eval/teacher_forced/*``);
+* measured: real greedy chain speculative decoding against the verifier on the set's prompts
+  (``eval/measured/*``: acceptance length as vLLM defines it, per-position acceptance rates, and whether the
+  output was token for token the verifier's own greedy output), in this process or on a vLLM server.
+
+From the measured per-position rates it recommends ``num_speculative_tokens`` (export writes it into the
+version's ``speculators_config``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from draftline.config import EvaluateConfig, work_dir
+from draftline.errors import DataError
+from draftline.evaluation import results
+
+log = logging.getLogger(__name__)
+TARGET_RUN_TAG = "draftline.evaluate.target_run"  # the finetune run evaluated (export finds its evaluations)
+TARGET_STEP_TAG = "draftline.evaluate.step"
+RESULT_FILE = "evaluation.json"
+
+
+def experiment_id() -> str:
+    """The experiment this process logs to (after :func:`draftline.tracking.setup`)."""
+    import os
+
+    import mlflow
+
+    from draftline.tracking import DEFAULT_EXPERIMENT, EXPERIMENT_ENV
+
+    if os.environ.get("MLFLOW_RUN_ID"):
+        return mlflow.MlflowClient().get_run(os.environ["MLFLOW_RUN_ID"]).info.experiment_id
+    if os.environ.get("MLFLOW_EXPERIMENT_ID"):
+        return os.environ["MLFLOW_EXPERIMENT_ID"]
+    return mlflow.get_experiment_by_name(os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT)).experiment_id
+
+
+def _verifier(cfg: EvaluateConfig, manifest: dict) -> str:
+    path = cfg.verifier or manifest["verifier"]
+    if not Path(path).expanduser().is_dir():
+        raise DataError(f"the verifier {path} the evaluation set was captured from is not on this machine: pass "
+                        "--verifier DIR (the same model, here)")
+    return str(Path(path).expanduser())
+
+
+def _measure(cfg: EvaluateConfig, drafter, verifier_dir: str, records, progress: bool):
+    """Measured acceptance: ``(ChainResult, prompts used)``."""
+    from draftline.evaluation.teacher_forced import prompts_of
+
+    prompts = prompts_of(records)[: cfg.max_prompts]
+    if not prompts:
+        raise DataError("the evaluation set has no sample with a prompt before its first assistant token")
+    if cfg.vllm_endpoint:
+        from draftline.evaluation.vllm_backend import measure_vllm
+
+        return measure_vllm(cfg.vllm_endpoint, cfg.vllm_model, prompts, max_new_tokens=cfg.max_new_tokens,
+                            concurrency=cfg.concurrency), len(prompts)
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from draftline.evaluation.chain import measure_chain
+
+    verifier = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
+    eos = GenerationConfig.from_model_config(verifier.config).eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return measure_chain(verifier, drafter, prompts, k=cfg.num_speculative_tokens,
+                         max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos_ids, progress=progress), len(prompts)
+
+
+def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
+    """Evaluate ``cfg.target`` on ``cfg.data``; returns the headline numbers and the run id."""
+    import mlflow
+
+    from draftline import lineage, tracking
+    from draftline.data.shards import open_prepared
+    from draftline.evaluation.chain import recommend_num_speculative_tokens
+    from draftline.evaluation.targets import load_drafter, resolve_target
+    from draftline.evaluation.teacher_forced import measure
+    from draftline.train.finetune import _data_name, resolve_data
+
+    progress = sys.stderr.isatty() if progress is None else progress
+    tracking.setup()
+    client = mlflow.MlflowClient()
+    # every input is checked before the run exists: a typo leaves no failed run behind
+    data_run_id = tracking.parse_run_ref(cfg.data)[0] if cfg.data.startswith("runs:/") else None
+    cache = work_dir() / "cache"
+    data = open_prepared(resolve_data(cfg.data, cache / "evaluation-data" / (data_run_id or "local")), verify=True)
+    manifest = data.manifest
+    data_name = _data_name(client, data_run_id) if data_run_id else Path(cfg.data).name
+    verifier_dir = _verifier(cfg, manifest)
+    target = resolve_target(cfg.target, cache=cache, checkpoint=cfg.checkpoint, experiment_id=experiment_id())
+    drafter = load_drafter(target, verifier_dir, manifest["aux_layer_ids"], ttt_steps=cfg.num_speculative_tokens)
+    records = data.records()
+
+    tf = measure(drafter, records, ttt_steps=cfg.num_speculative_tokens, tokens_per_batch=cfg.tokens_per_batch,
+                 progress=progress)
+    metrics = {f"eval/teacher_forced/{k}": v for k, v in tf.items() if not k.startswith("loss")}
+    chain, n_prompts = (_measure(cfg, drafter, verifier_dir, records, progress) if cfg.measured else (None, 0))
+    if chain is not None:
+        metrics.update({f"eval/measured/{k}": v for k, v in chain.metrics().items()})
+        recommended = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
+        metrics[results.RECOMMENDED_K] = float(recommended)
+        if chain.mismatches:
+            first = chain.mismatches[0]
+            print(f"[draftline] BUG: speculative decoding changed the output on {len(chain.mismatches)} of "
+                  f"{n_prompts} prompts (first: prompt {first['prompt']}, token {first['position']}: verifier "
+                  f"{first['expected']}, got {first['got']}); greedy speculative decoding must be lossless",
+                  file=sys.stderr, flush=True)
+
+    dataset = lineage.data_set(manifest, data_name)
+    tags = {"draftline.evaluate.target": cfg.target, "draftline.evaluate.kind": target.kind,
+            "draftline.evaluate.data": f"{data_name} {manifest['digest'][:12]}"}
+    if target.run_id:
+        tags.update({TARGET_RUN_TAG: target.run_id, TARGET_STEP_TAG: str(target.step)})
+    short = target.name if len(target.name) <= 40 else target.name[:37] + "..."
+    with tracking.stage_run("evaluate", run_name=f"evaluate {short} on {data_name}", tags=tags) as active:
+        tracking.log_params_once({
+            "target": cfg.target, "target.kind": target.kind, "target.sha256": target.sha256,
+            "target.layout": target.layout, "checkpoint": cfg.checkpoint if target.run_id else "none",
+            "data.digest": manifest["digest"], "data.name": data_name, "data.uri": cfg.data,
+            "verifier.name_or_path": manifest.get("verifier_id") or manifest["verifier"],
+            "num_speculative_tokens": cfg.num_speculative_tokens, "max_new_tokens": cfg.max_new_tokens,
+            "prompts": n_prompts, "backend": "vllm" if cfg.vllm_endpoint else "transformers" if cfg.measured
+            else "none", "draft_cost_ratio": cfg.draft_cost_ratio})
+        mlflow.log_input(dataset, context="evaluation", tags=lineage.data_set_tags(manifest))
+        mlflow.log_metrics(metrics, step=0)
+        if target.model_id:  # onto the drafter's LoggedModel, linked to the evaluation set
+            mlflow.log_metrics(metrics, step=0, model_id=target.model_id, dataset=dataset)
+        result = {"target": cfg.target, "target_name": target.name, "kind": target.kind, "model_id": target.model_id,
+                  "finetune_run_id": target.run_id, "step": target.step,
+                  "data": {"name": data_name, "digest": manifest["digest"], "source": manifest["source"],
+                           "uri": cfg.data},
+                  "metrics": metrics, "mismatches": chain.mismatches[:100] if chain else []}
+        with tempfile.TemporaryDirectory(prefix="draftline-evaluate-") as tmp:
+            (Path(tmp) / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+            mlflow.log_artifact(str(Path(tmp) / RESULT_FILE))
+    out = {"run_id": active.info.run_id, "target": target.name, "data": f"{data_name} ({manifest['digest'][:12]})",
+           "teacher_forced_acceptance_length": round(tf["acceptance_length"], 4)}
+    if chain is not None:
+        out.update({"measured_acceptance_length": round(chain.acceptance_length, 4),
+                    "acceptance_rate_per_position": [round(r, 4) for r in chain.per_position_rates],
+                    "lossless": not chain.mismatches, "prompts": n_prompts,
+                    "recommended_num_speculative_tokens": int(metrics[results.RECOMMENDED_K])})
+    return out
+
+
+def evaluations_for(client, finetune_run_id: str, step: int | None) -> list[dict]:
+    """The evaluations of finetune run ``finetune_run_id`` at checkpoint ``step``: the newest per evaluation set,
+    newest first (what export carries onto the version it registers)."""
+    import mlflow
+
+    filt = f"tags.`{TARGET_RUN_TAG}` = '{finetune_run_id}' and attributes.status = 'FINISHED'"
+    if step is not None:
+        filt += f" and tags.`{TARGET_STEP_TAG}` = '{step}'"
+    exp = client.get_run(finetune_run_id).info.experiment_id
+    out, seen = [], set()
+    for r in client.search_runs([exp], filter_string=filt, order_by=["attributes.start_time DESC"], max_results=50):
+        try:
+            result = json.loads(Path(mlflow.artifacts.download_artifacts(
+                run_id=r.info.run_id, artifact_path=RESULT_FILE)).read_text())
+        except Exception:  # noqa: BLE001
+            log.warning("evaluation run %s has no readable %s; skipped", r.info.run_id, RESULT_FILE)
+            continue
+        if result["data"]["digest"] not in seen:
+            seen.add(result["data"]["digest"])
+            out.append({**result, "run_id": r.info.run_id})
+    return out
+
+
+def attach(found: list[dict], model_id: str) -> None:
+    """Log ``found`` evaluations onto LoggedModel ``model_id``, each linked to its evaluation set."""
+    import mlflow
+
+    from draftline import lineage
+
+    for result in found:
+        d = result["data"]
+        dataset = lineage.data_set({"source": d["source"], "digest": d["digest"]}, d["name"])
+        mlflow.log_metrics(result["metrics"], step=0, model_id=model_id, dataset=dataset)

@@ -1,0 +1,110 @@
+"""What ``draftline evaluate`` measures: a drafter named the way ``init`` names a parent (catalog name,
+directory, cached HF repo id, ``models:/NAME/K|Stage|@alias``) or a finetune run (``runs:/<id>`` or its id),
+found on local disk, with the MLflow LoggedModel its results attach to and its identity."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftline.errors import DataError
+
+
+@dataclass
+class Target:
+    ref: str  # as the user gave it
+    kind: str  # finetune-run | registered | external
+    name: str  # for people: run, models:/NAME/K, catalog name or directory
+    path: Path  # directory holding the weights
+    sha256: str  # over the weight files (what lineage records as parent.sha256)
+    layout: str
+    model_id: str | None = None  # the LoggedModel results attach to (none for a finetune run: export carries them)
+    run_id: str | None = None  # the finetune run, for kind finetune-run
+    step: int | None = None  # its checkpoint's step
+    layer: dict | None = None  # its decoder layer, when the run recorded it
+
+
+def _finetune_run(client, ref: str):
+    """The finetune run ``ref`` names (``runs:/<id>[/...]`` or a bare run id), or None when it names none."""
+    from draftline.tracking import parse_run_ref
+
+    if ref.startswith("runs:/"):
+        run_id = parse_run_ref(ref)[0]
+    elif re.fullmatch(r"[0-9a-f]{32}", ref):
+        run_id = ref
+    else:
+        return None
+    try:
+        run = client.get_run(run_id)
+    except Exception:  # noqa: BLE001
+        raise DataError(f"target {ref}: run {run_id} does not exist on this tracking server") from None
+    if run.data.tags.get("draftline.step") != "finetune" or run.info.status != "FINISHED":
+        raise DataError(f"target {ref} is not a finished finetune run (step {run.data.tags.get('draftline.step')}, "
+                        f"status {run.info.status}): pass a finetune run, a models:/ URI or a parent")
+    return run
+
+
+def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str) -> Target:
+    """Find ``ref`` on local disk (downloading from MLflow where it lives there)."""
+    from mlflow import MlflowClient
+
+    from draftline import lineage
+    from draftline.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
+    from draftline.handoff import SELECTION_FILE, fetch_weights, write_weights
+    from draftline.parents import resolve_init
+    from draftline.train.model import LAYER_FILE
+
+    client = MlflowClient()
+    run = _finetune_run(client, ref.strip())
+    if run is not None:
+        dest = cache / "evaluate" / run.info.run_id / checkpoint
+        where, state, step = fetch_weights(run, checkpoint, dest / "fetched")
+        layer_file = where / LAYER_FILE
+        layer = json.loads(layer_file.read_text()) if layer_file.is_file() else None
+        if not (where / SELECTION_FILE).is_file():  # consolidated from a ZeRO checkpoint: one weights layout
+            write_weights(state, dest / "weights", layer=layer, selected={"step": step, "selected": checkpoint})
+            where = dest / "weights"
+        files = find_checkpoint(where)
+        return Target(ref=ref, kind="finetune-run", name=f"runs:/{run.info.run_id} ({checkpoint}, step {step})",
+                      path=where, sha256=sha256_files(files.weights), layout="speculators",
+                      run_id=run.info.run_id, step=step, layer=layer)
+    parent = resolve_init(ref, cache=cache)
+    if parent.is_random:
+        raise DataError("target random is not a drafter: pass a finetune run, a models:/ URI or a parent")
+    files = find_checkpoint(parent.path)
+    layout = detect_layout(read_header(files))
+    sha = sha256_files(files.weights)
+    model_id = lineage.parent_model_id(client, parent, sha256=sha, layout=layout, experiment_id=experiment_id)
+    return Target(ref=ref, kind="registered" if parent.model_version else "external",
+                  name=parent.model_version or parent.name, path=parent.path, sha256=sha, layout=layout,
+                  model_id=model_id)
+
+
+def load_drafter(target: Target, verifier: str, aux_layer_ids: list[int], *, ttt_steps: int,
+                 dtype: torch.dtype = torch.float32):
+    """Build the drafter for ``verifier`` and copy ``target``'s weights in (strict keys and shapes), the same
+    path finetune loads a parent by."""
+    from draftline.checkpoints import find_checkpoint, load_into_model, read_tensors
+    from draftline.drafter_shape import aux_layer_ids as aux_of
+    from draftline.drafter_shape import layer_config
+    from draftline.train.model import build_draft_model
+
+    files = find_checkpoint(target.path)
+    own_aux = aux_of(files.config)
+    if own_aux and own_aux != list(aux_layer_ids):
+        raise DataError(f"drafter {target.name} reads aux layers {own_aux} but the evaluation set has "
+                        f"{list(aux_layer_ids)}: prepare the evaluation set with --aux-layers "
+                        f"{','.join(map(str, own_aux))}")
+    vocab = read_tensors(files, {"d2t", "t2d"})
+    if set(vocab) != {"d2t", "t2d"}:
+        raise DataError(f"drafter {target.name} carries no d2t/t2d draft vocabulary")
+    layer = target.layer or layer_config(verifier, files.config or None)
+    model = build_draft_model(verifier, d2t=vocab["d2t"], t2d=vocab["t2d"], aux_layer_ids=list(aux_layer_ids),
+                              draft_vocab_size=int(vocab["d2t"].numel()), ttt_steps=ttt_steps, dtype=dtype,
+                              layer=layer)
+    load_into_model(model, files)
+    return model.eval()

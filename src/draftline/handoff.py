@@ -1,0 +1,154 @@
+"""The weights-only hand-off from finetune to export and evaluate.
+
+Ranks keep two DeepSpeed checkpoints in the run's work directory (``checkpoints/``): the newest (``step<N>``,
+named by DeepSpeed's ``latest`` file, for ``--resume``) and the best by ``val/acceptance_length`` (tag
+``best``, with ``best.json`` saying its step and value). At the end of finetune the launching process
+consolidates the selected one with DeepSpeed's own tool and logs only the drafter's weights, bf16
+safetensors, as the run's ``weights/`` artifacts (``model.safetensors``, ``layer_config.json``,
+``selection.json``): no fp32 master weights, no Adam moments. The ZeRO checkpoints are logged too only with
+``--log-checkpoints``.
+
+Export and evaluate read ``weights/``. Another checkpoint (``--checkpoint last`` when the best was logged, or
+``step<N>``) is consolidated from the work directory on the training host, or from logged checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from draftline.errors import CheckpointError
+
+BEST_TAG = "best"
+BEST_FILE = "best.json"
+WEIGHTS = "weights"  # the run's artifact folder
+SELECTION_FILE = "selection.json"
+WEIGHTS_FILE = "model.safetensors"
+TAG_PREFIX = "draftline.checkpoint."  # run tags: selected, step, last_step, best_step
+
+
+def read_best(ckpt_dir: Path) -> dict | None:
+    """``{"step", "metric", "value"}`` of the best checkpoint so far, or None."""
+    path = Path(ckpt_dir) / BEST_FILE
+    if not path.is_file() or not (Path(ckpt_dir) / BEST_TAG).is_dir():
+        return None
+    return json.loads(path.read_text())
+
+
+def write_best(ckpt_dir: Path, best: dict) -> None:
+    from draftline.util import atomic_write_text
+
+    atomic_write_text(Path(ckpt_dir) / BEST_FILE, json.dumps(best, indent=2) + "\n")
+
+
+def last_step(ckpt_dir: Path) -> int | None:
+    latest = Path(ckpt_dir) / "latest"
+    if not latest.is_file():
+        return None
+    m = re.fullmatch(r"step(\d+)", latest.read_text().strip())
+    return int(m.group(1)) if m else None
+
+
+def selection(ckpt_dir: Path) -> dict:
+    """Which checkpoint finetune hands on: the best by validation when there is one, else the newest."""
+    last = last_step(ckpt_dir)
+    if last is None:
+        raise CheckpointError(f"{ckpt_dir} holds no DeepSpeed checkpoint (no 'latest' file)")
+    best = read_best(ckpt_dir)
+    if best is not None:
+        return {"selected": "best", "step": best["step"], "tag": BEST_TAG, "last_step": last, "best": best}
+    return {"selected": "last", "step": last, "tag": f"step{last}", "last_step": last, "best": None}
+
+
+def consolidate(ckpt_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own consolidation (any ZeRO stage, any rank count) of checkpoint ``tag`` (default: the
+    newest)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if not (Path(ckpt_dir) / "latest").is_file() and tag is None:
+        raise CheckpointError(f"{ckpt_dir} holds no DeepSpeed checkpoint (no 'latest' file)")
+    if tag is not None and not (Path(ckpt_dir) / tag).is_dir():
+        raise CheckpointError(f"{ckpt_dir} holds no DeepSpeed checkpoint {tag}")
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints progress to stdout
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+
+
+def write_weights(state: dict[str, torch.Tensor], out: Path, *, layer: dict | None, selected: dict) -> Path:
+    """The drafter's own tensors (not the verifier's embeddings and head) as bf16 safetensors, with the layer
+    config and what was selected."""
+    from safetensors.torch import save_file
+
+    from draftline.checkpoints import VERIFIER_OWNED
+    from draftline.train.model import LAYER_FILE
+
+    out.mkdir(parents=True, exist_ok=True)
+    kept = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+            for k, v in state.items() if k not in VERIFIER_OWNED}
+    save_file(kept, str(out / WEIGHTS_FILE), metadata={"format": "pt", "step": str(selected["step"])})
+    if layer is not None:
+        (out / LAYER_FILE).write_text(json.dumps(layer, indent=2, sort_keys=True) + "\n")
+    (out / SELECTION_FILE).write_text(json.dumps(selected, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def run_tags(selected: dict) -> dict[str, str]:
+    best = selected.get("best") or {}
+    return {f"{TAG_PREFIX}selected": selected["selected"], f"{TAG_PREFIX}step": str(selected["step"]),
+            f"{TAG_PREFIX}last_step": str(selected["last_step"]),
+            f"{TAG_PREFIX}best_step": str(best.get("step", "none"))}
+
+
+def _wanted_step(tags: dict[str, str], which: str) -> int | None:
+    if which == "best":
+        best = tags.get(f"{TAG_PREFIX}best_step", "none")
+        return int(best) if best.isdigit() else None
+    if which == "last":
+        last = tags.get(f"{TAG_PREFIX}last_step", "")
+        return int(last) if last.isdigit() else None
+    m = re.fullmatch(r"step(\d+)", which)
+    if not m:
+        raise CheckpointError(f"checkpoint {which!r} is not best, last or step<N>")
+    return int(m.group(1))
+
+
+def fetch_weights(run, which: str, dest: Path) -> tuple[Path, dict[str, torch.Tensor], int | None]:
+    """The finetune ``run``'s drafter weights for ``which`` (best | last | step<N>):
+    ``(directory with layer_config.json or None, state dict, step)``."""
+    from safetensors.torch import load_file
+
+    from draftline import tracking
+    from draftline.config import work_dir
+
+    tags = run.data.tags
+    run_id = run.info.run_id
+    logged_step = tags.get(f"{TAG_PREFIX}step")
+    if logged_step is None:  # a run from before the hand-off: its newest ZeRO checkpoint was logged
+        if which not in ("best", "last"):
+            raise CheckpointError(f"run {run_id} logged only its newest checkpoint: pass --checkpoint last")
+        ckpt = tracking.download(f"{run.info.artifact_uri}/checkpoints", dest)
+        return ckpt, consolidate(ckpt), None
+    want = _wanted_step(tags, which)
+    if which == "best" and want is None:
+        want = int(logged_step)  # no validation ran: the newest is all there is
+    if want is not None and str(want) == logged_step:
+        weights = tracking.download(f"{run.info.artifact_uri}/{WEIGHTS}", dest)
+        return weights, load_file(str(weights / WEIGHTS_FILE)), want
+    tag = BEST_TAG if which == "best" or str(want) == tags.get(f"{TAG_PREFIX}best_step") else f"step{want}"
+    for where in (work_dir() / run_id / "checkpoints", None):
+        if where is None:
+            try:
+                where = tracking.download(f"{run.info.artifact_uri}/checkpoints", dest)
+            except Exception:  # noqa: BLE001
+                break
+        if (where / tag).is_dir():
+            return where, consolidate(where, tag), want
+    kept = f"best (step {tags.get(TAG_PREFIX + 'best_step')}) and last (step {tags.get(TAG_PREFIX + 'last_step')})"
+    raise CheckpointError(f"run {run_id} handed on the weights of step {logged_step}; checkpoint {which} "
+                          f"(step {want}) is only in its ZeRO checkpoints ({kept} are kept in "
+                          f"{work_dir() / run_id / 'checkpoints'} on the training host, and logged with "
+                          "--log-checkpoints): run this there, or pass --checkpoint best")
