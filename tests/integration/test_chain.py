@@ -87,7 +87,9 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert {m.key for m in logged.metrics} >= {"val/acceptance_length", "train/loss"}
     assert mv.tags["verifier.name_or_path"] == "draftline/tiny-verifier"
 
-    invoke("promote", "tiny-drafter", "1", "--to", "Production")
+    integrity = tmp_path / "integrity.yaml"  # the shipped Production policy wants an evaluation: test_evidence.py
+    integrity.write_text("stage: Production\nrequire_tags: [parent.sha256, data.digest]\nexport_validated: true\n")
+    invoke("promote", "tiny-drafter", "1", "--to", "Production", "--policy", str(integrity))
     assert client.get_model_version_by_alias("tiny-drafter", "production").version == "1"
     pulled = invoke("pull", "tiny-drafter", "--stage", "Production", "--dest", str(tmp_path / "pulled"), "--json")
     assert pulled["version"] == "1" and "--speculative-config" in pulled["command"]

@@ -1,0 +1,83 @@
+"""Promotion on evidence, against a real `mlflow server`: an evaluation set built from prompts only (MT-Bench
+questions answered by the tiny verifier through its OpenAI-compatible server), the parent and two children
+measured on it (teacher-forced and by real chain speculative decoding), a child worse than its parent refused
+Production with the delta, a better one promoted, and the numbers on the versions' models."""
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from mlflow import MlflowClient
+
+from draftline.cli import cli
+from draftline.testing.tiny_server import serve_in_thread
+
+from ..conftest import DEMO
+
+pytestmark = pytest.mark.integration
+MT_BENCH = DEMO.parent / "mt_bench_questions.jsonl"  # prompts only (FastChat, Apache-2.0)
+
+
+def invoke(*args, code=0):
+    r = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert r.exit_code == code, r.output
+    return json.loads(r.stdout) if code == 0 and r.stdout.lstrip().startswith("{") else r.output
+
+
+def test_promotion_on_evidence(server_workspace, tiny):
+    client = MlflowClient()
+    verifier = str(tiny["verifier"])
+    with serve_in_thread(verifier) as server:  # stands in for `vllm serve <verifier>`
+        ev = invoke("prepare", "--conversations", str(MT_BENCH), "--verifier", verifier, "--name", "evaluation",
+                    "--regenerate-endpoint", server.url, "--regenerate-max-tokens", "40", "--max-length", "256",
+                    "--max-samples", "16")
+        train = invoke("prepare", "--conversations", str(DEMO), "--verifier", verifier, "--max-length", "256",
+                       "--max-samples", "96", "--regenerate-endpoint", server.url, "--regenerate-max-tokens", "40")
+
+    common = ("--data", ev["data_uri"], "--max-new-tokens", "24")
+    parent = invoke("evaluate", "--target", "tiny", *common)
+    assert parent["lossless"] is True and parent["prompts"] == 16
+    assert 1.0 <= parent["measured_acceptance_length"] <= 1.0 + 3
+
+    steps = ("--gpus", "1", "--tokens-per-batch", "512", "--warmup-steps", "0", "--val-every", "10")
+    good = invoke("finetune", "--data", train["data_uri"], "--init", "tiny", "--steps", "30", "--lr", "5e-4",
+                  "--eval-data", ev["data_uri"], *steps)
+    bad = invoke("finetune", "--data", train["data_uri"], "--init", "tiny", "--steps", "4", "--lr", "0.05",
+                 "--val-fraction", "0", *steps)
+    run = client.get_run(good["run_id"])
+    # the parent measured before step 1, on the fixed evaluation set, and the best checkpoint handed on
+    assert run.data.params["eval.data.digest"] == ev["digest"]
+    start = [m for m in client.get_metric_history(good["run_id"], "val/acceptance_length") if m.step == 0]
+    assert start and run.data.metrics["parent.val/acceptance_length"] == start[0].value
+
+    child = invoke("evaluate", "--target", f"runs:/{good['run_id']}", *common)  # before export: carried over
+    assert child["lossless"] is True
+    v_good = invoke("export", "--run", good["run_id"], "--registered-model", "ev-drafter")["version"]
+    v_bad = invoke("export", "--run", bad["run_id"], "--registered-model", "ev-drafter")["version"]
+    worse = invoke("evaluate", "--target", f"models:/ev-drafter/{v_bad}", *common)
+    assert worse["lossless"] is True  # a poor drafter accepts less; the output stays the verifier's own
+    assert worse["measured_acceptance_length"] < parent["measured_acceptance_length"]
+
+    refused = invoke("promote", "ev-drafter", v_bad, "--to", "Production", code=1)
+    assert "FAIL  eval/acceptance_length not worse than parent" in refused
+    delta = worse["measured_acceptance_length"] - parent["measured_acceptance_length"]
+    assert f"({delta:+.4f})" in refused and "nothing changed" in refused
+
+    assert child["measured_acceptance_length"] > parent["measured_acceptance_length"], (child, parent)
+    promoted = invoke("promote", "ev-drafter", v_good, "--to", "Production")
+    assert "PASS  eval/acceptance_length not worse than parent" in promoted
+
+    # what the registry's compare-versions view shows: the version's model carries the evaluation, linked
+    # to the evaluation data set; the recommended num_speculative_tokens went into the exported config
+    from draftline.registry import model_id_of
+
+    mv = client.get_model_version("ev-drafter", v_good)
+    metrics = {m.key: m for m in client.get_logged_model(model_id_of(mv)).metrics}
+    measured = metrics["eval/measured/acceptance_length"]
+    assert measured.dataset_name == "evaluation" and measured.dataset_digest == ev["digest"][:36]
+    assert abs(measured.value - child["measured_acceptance_length"]) < 1e-3
+    pulled = invoke("pull", "ev-drafter", "--stage", "Production", "--dest", str(server_workspace / "p"), "--json")
+    config = json.loads((Path(pulled["path"]) / "config.json").read_text())
+    k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    assert k == child["recommended_num_speculative_tokens"]
