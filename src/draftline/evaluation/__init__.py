@@ -1,0 +1,1 @@
+"""Evaluation of drafters against their verifier: measured acceptance by real speculative decoding."""
