@@ -1,0 +1,149 @@
+"""Measured acceptance: greedy chain speculative decoding of a drafter against the tiny verifier, as vLLM's
+EAGLE-3 proposer drafts, with vLLM's counters; the output must be the verifier's own greedy output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftline.evaluation.chain import ChainResult, measure_chain, recommend_num_speculative_tokens
+from draftline.evaluation.drafter import load_drafter
+from draftline.evaluation.proposer import Eagle3Proposer
+from draftline.testing import greedy
+
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo" / "conversations.jsonl"
+
+AUX = [2, 4, 5]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Two threads on a shared 2-core machine spin against each other (40x slower measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["verifier"])
+    return AutoModelForCausalLM.from_pretrained(tiny["verifier"], dtype=torch.float32).eval(), tok
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, verifier):
+    """A drafter trained 40 steps on the verifier's greedy replies to 64 demo prompts; 6 other prompts held out."""
+    model, tok = verifier
+    prompts = greedy.chat_prompts(tok, DEMO, 70)
+    train, held_out = prompts[:64], prompts[64:]
+    recs = greedy.records(model, train, greedy.greedy_replies(model, train, 32, tok.pad_token_id), AUX)
+    drafter = greedy.train_drafter(tiny["verifier"], recs, aux_layer_ids=AUX, steps=40)
+    return drafter, held_out
+
+
+def test_the_proposer_computes_what_speculators_trained(verifier, trained):
+    """Step 0 over the verified pairs and each later step, fed the true tokens, give exactly the drafts of
+    speculators' own (teacher-forced) forward, position by position, whether the proposer starts afresh or
+    carries its KV cache from one round to the next."""
+    from draftline.train.model import pack
+
+    model, _ = verifier
+    drafter, held_out = trained
+    ids = held_out[0] + greedy.greedy_replies(model, held_out[:1], 16, 0)[0]
+    rec = greedy.records(model, [ids[:8]], [ids[8:]], AUX)[0]
+    batch = {k: v for k, v in pack([rec]).items() if k not in ("verifier_last_hidden_states", "loss_mask")}
+    with torch.no_grad():
+        steps = drafter(**batch, ttt_steps=3)
+    expected = [[int(s[0, i]) + int(drafter.d2t[s[0, i]]) for s in steps] for i in range(len(ids) - 4)]
+    hidden, fresh, carried = rec["hidden_states"], Eagle3Proposer(drafter), Eagle3Proposer(drafter)
+    for i, want in enumerate(expected):
+        fresh.reset()
+        assert fresh.propose(hidden[:i + 1], ids[1:i + 2], 3, feed=ids[i + 2:i + 4]) == want, i
+        assert carried.propose(hidden[i:i + 1], ids[i + 1:i + 2], 3, feed=ids[i + 2:i + 4]) == want, i
+
+
+def test_output_is_the_verifiers_greedy_output_token_for_token(tiny, verifier):
+    """The tiny parent (AQ-MedAI layout, loaded as a user's drafter directory) on several prompts, with EOS
+    and a length that trims the last step's drafts: every output equals generate(do_sample=False)."""
+    model, tok = verifier
+    drafter = load_drafter(tiny["verifier"], tiny["parent"])
+    prompts = greedy.chat_prompts(tok, DEMO, 4, offset=100)
+    result = measure_chain(model, drafter, prompts, k=3, max_new_tokens=21, eos_token_ids={tok.eos_token_id})
+    assert result.mismatches == [] and result.lossless
+    assert result.prompts == 4 and 0 < result.generated_tokens <= 4 * 21
+    assert len(result.accepted_per_pos) == 3 and result.drafts > 0
+    assert result.draft_tokens <= 3 * result.drafts
+    assert result.metrics()["lossless"] == 1.0
+
+
+def test_a_wrong_drafter_is_accepted_almost_never_and_the_output_stays_identical(verifier, trained):
+    model, _ = verifier
+    drafter, held_out = trained
+    state = {k: v.clone() for k, v in drafter.state_dict().items()}
+    try:
+        with torch.no_grad():  # every draft lands on the neighbouring draft-vocabulary entry
+            drafter.lm_head.weight.copy_(drafter.lm_head.weight.roll(1, dims=0))
+        wrong = measure_chain(model, drafter, held_out, k=3, max_new_tokens=24)
+    finally:
+        drafter.load_state_dict(state)
+    assert wrong.mismatches == []
+    assert wrong.acceptance_length < 1.05, wrong
+
+
+def test_a_trained_drafter_accepts_more_and_agrees_with_teacher_forced_accuracy(verifier, trained):
+    """Measured on the same held-out prompts as the verifier's replies it is teacher-forced on. Measured (tiny
+    verifier, 6 prompts x 24 tokens, 1 thread): acceptance length 1.38 at k=3 (wrong drafter: 1.00); the
+    position-1 rate at k=1 is 0.279 vs 0.333 teacher-forced over the full vocabulary and 0.354 for speculators'
+    full_acc_0 (= cond_acc_0), which scores the argmax within the draft vocabulary (decoding cannot accept a
+    verifier token outside it) at every position (decoding drafts only after a verified token). Tolerances:
+    0.15 and 0.2 absolute."""
+    model, _ = verifier
+    drafter, held_out = trained
+    replies = greedy.greedy_replies(model, held_out, 24, 0)
+    forced = greedy.teacher_forced(drafter, greedy.records(model, held_out, replies, AUX))
+    k1 = measure_chain(model, drafter, held_out, k=1, max_new_tokens=24)
+    k3 = measure_chain(model, drafter, held_out, k=3, max_new_tokens=24)
+    assert k1.mismatches == [] and k3.mismatches == []
+    print(f"\nteacher-forced {forced}\nk=1 {k1.metrics()}\nk=3 {k3.metrics()}")
+    assert k3.acceptance_length > 1.15, k3
+    assert abs(k1.per_position_rates[0] - forced["full_vocab_acc_0"]) < 0.15, (k1, forced)
+    assert abs(k1.per_position_rates[0] - forced["full_acc_0"]) < 0.2, (k1, forced)
+    rates = k3.per_position_rates
+    assert rates == sorted(rates, reverse=True)  # P(first j accepted) cannot grow with j
+
+
+def test_result_definitions_are_vllms():
+    r = ChainResult(k=3, prompts=2, drafts=10, draft_tokens=28, accepted=12, accepted_per_pos=[6, 4, 2],
+                    generated_tokens=40, seconds=2.0)
+    assert r.acceptance_length == pytest.approx(2.2)  # 1 + accepted / drafts
+    assert r.per_position_rates == pytest.approx([0.6, 0.4, 0.2])
+    m = r.metrics()
+    assert m["acceptance_rate_pos_1"] == pytest.approx(0.6) and m["acceptance_rate_pos_3"] == pytest.approx(0.2)
+    assert m["tokens_per_s"] == 20.0 and m["prompts_per_s"] == 1.0 and m["lossless"] == 1.0
+    assert ChainResult(k=2, prompts=0, drafts=0, draft_tokens=0, accepted=0, accepted_per_pos=[0, 0],
+                       generated_tokens=0, seconds=0.0).acceptance_length == 1.0
+
+
+@pytest.mark.parametrize("rates, cost, best", [
+    ([0.9, 0.8, 0.7, 0.6, 0.5], 0.05, 5),   # long chains pay when drafts are cheap and accepted
+    ([0.5, 0.1, 0.02], 0.05, 2),            # (1.5/1.05=1.43, 1.6/1.10=1.45, 1.62/1.15=1.41)
+    ([0.3, 0.05], 0.2, 1),                  # an expensive drafter: one draft only
+    ([0.0, 0.0, 0.0], 0.05, 1),             # nothing accepted: the minimum
+    ([], 0.05, 1),
+    ([0.5, 0.5], 0.0, 2),                   # free drafts: every measured position
+])
+def test_recommend_num_speculative_tokens(rates, cost, best):
+    assert recommend_num_speculative_tokens(rates, draft_cost_ratio=cost) == best
+
+
+def test_recommend_refuses_rates_that_are_not_probabilities():
+    with pytest.raises(ValueError):
+        recommend_num_speculative_tokens([1.5])
+    with pytest.raises(ValueError):
+        recommend_num_speculative_tokens([0.5], draft_cost_ratio=-1)
+
