@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from draftline.errors import ConfigError
 
@@ -20,8 +20,14 @@ class _Strict(BaseModel):
 
 
 class PrepareConfig(_Strict):
-    conversations: str = Field(description="Conversations: a JSONL/JSON file in OpenAI `messages` or ShareGPT "
-                                           "form, or a Hugging Face dataset directory (save_to_disk).")
+    conversations: str = Field(description="Conversations or prompts: a JSONL/JSON file or a Hugging Face "
+                               "dataset directory (save_to_disk) of OpenAI `messages`, ShareGPT `conversations`, "
+                               "MT-Bench `turns` or plain `prompt` records. Records without an assistant turn "
+                               "(prompts) need --regenerate-endpoint.")
+    categories: str | None = Field(None, description="Filter records by their `category` field, before "
+                                   "max_samples: `writing,coding` keeps only those categories, `!math,!coding` "
+                                   "drops those (one form or the other, not both); a name no record has is an "
+                                   "error.")
     verifier: str = Field(description="Verifier: a local Hugging Face directory (model + tokenizer with a chat "
                                       "template) or a repo id already in the local cache.")
     verifier_id: str | None = Field(None, description="The id serving hosts load the verifier by (a Hugging Face "
@@ -48,14 +54,26 @@ class PrepareConfig(_Strict):
                                                 "default the run logs their location and sha256s only).")
     regenerate_endpoint: str | None = Field(None, description="OpenAI-compatible base URL serving the verifier "
                                             "(e.g. http://127.0.0.1:8000/v1 from `vllm serve`): regenerate every "
-                                            "assistant turn with it before tokenising (API key from "
-                                            "OPENAI_API_KEY or DRAFTLINE_REGENERATE_API_KEY).")
+                                            "assistant turn with it, and answer every user turn no assistant turn "
+                                            "follows, before tokenising (API key from OPENAI_API_KEY or "
+                                            "DRAFTLINE_REGENERATE_API_KEY).")
     regenerate_model: str | None = Field(None, description="Model name to request (default: the first model "
                                                            "the endpoint lists).")
     regenerate_max_tokens: int = Field(512, ge=1, description="Most tokens per regenerated assistant turn.")
     regenerate_concurrency: int = Field(8, ge=1, le=4096, description="Conversations regenerated at once.")
     regenerate_temperature: float = Field(0.0, ge=0.0, le=2.0, description="Sampling temperature for "
                                                                            "regeneration (0: greedy).")
+
+
+    @field_validator("categories", mode="before")
+    @classmethod
+    def _categories(cls, v: object) -> object:
+        if isinstance(v, list | tuple):  # a YAML list
+            v = ",".join(str(x) for x in v)
+        if isinstance(v, str):
+            parse_categories(v)  # ValueError -> one ConfigError line
+            v = ",".join(n.strip() for n in v.split(",") if n.strip()) or None
+        return v
 
 
 class FinetuneConfig(_Strict):
@@ -138,6 +156,20 @@ class EvaluateConfig(_Strict):
     draft_cost_ratio: float = Field(0.05, gt=0.0, le=1.0, description="Cost of one draft step relative to one "
                                     "verifier step, for the recommended num_speculative_tokens.")
     tokens_per_batch: int = Field(4096, ge=16, description="Packed tokens per teacher-forced batch.")
+
+
+def parse_categories(spec: str | None) -> tuple[set[str], set[str]]:
+    """``"a,b"`` -> ({a, b}, {}) (keep only these); ``"!a,!b"`` -> ({}, {a, b}) (drop these). Mixing both
+    forms, or an empty name, is a ValueError."""
+    names = [n.strip() for n in (spec or "").split(",") if n.strip()]
+    keep = {n for n in names if not n.startswith("!")}
+    drop = {n[1:].strip() for n in names if n.startswith("!")}
+    if "" in drop:
+        raise ValueError("'!' must be followed by a category name")
+    if keep and drop:
+        raise ValueError("name the categories to keep (writing,coding) or those to drop (!writing,!coding), "
+                         "not both")
+    return keep, drop
 
 
 SHIPPED = Path(__file__).parent / "shipped"  # configs/ and registry_policies/: links in a checkout, copies in a wheel

@@ -121,7 +121,8 @@ def test_hugging_face_dataset_directory_with_a_malformed_row(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "ds"))
     convs = load_conversations(tmp_path / "ds")
     assert [s["messages"][-1]["content"] for s in convs.samples] == ["hello", "4"]
-    assert convs.skipped == [(2, "no assistant turn (nothing to learn from)")]
+    assert convs.skipped == [(2, "no assistant turn (a prompt: pass --regenerate-endpoint to have the verifier "
+                                 "answer it)")]
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="not a Hugging Face dataset saved with save_to_disk"):
         load_conversations(tmp_path / "empty")

@@ -1,5 +1,12 @@
-"""Read conversations in OpenAI ``messages`` form or ShareGPT form: a JSON list, JSONL, or a Hugging Face
-``datasets`` directory written by ``save_to_disk`` (its ``train`` split, or its only one).
+"""Read conversations or prompts: a JSON list, JSONL, or a Hugging Face ``datasets`` directory written by
+``save_to_disk`` (its ``train`` split, or its only one).
+
+Record forms: OpenAI ``messages``; ShareGPT ``conversations``; FastChat's MT-Bench question form
+(``{"question_id": 81, "category": "writing", "turns": ["...", "..."]}``, each turn a user turn); a plain
+``prompt`` string (one user turn). A record without an assistant turn is a *prompt*: only regeneration can use
+it (the verifier answers each user turn in order), so without it prompts are skipped, and an input of prompts
+only is an error. ``id`` (or ``question_id``) and ``category`` are kept in the sample; ``--categories``
+selects by category.
 
 Malformed records are reported with their line (or index) and skipped; an empty result is an error.
 """
@@ -22,6 +29,7 @@ _ROLES = {"system", "user", "assistant"}
 class Conversations:
     samples: list[dict]
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (line or index, reason)
+    prompts: int = 0  # records without an assistant turn (kept with prompts=True, else skipped)
 
 
 def _normalise(record: object) -> dict:
@@ -43,11 +51,30 @@ def _normalise(record: object) -> dict:
             if role is None or not isinstance(m.get("value"), str):
                 raise ValueError("each ShareGPT turn needs from in human|gpt|system and a string value")
             out.append({"role": role, "content": m["value"]})
+    elif "turns" in record:  # FastChat's MT-Bench questions: user turns, answered in order
+        turns = record["turns"]
+        if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+            raise ValueError("'turns' must be a list of strings (the user turns)")
+        out = [{"role": "user", "content": t} for t in turns]
+    elif "prompt" in record:
+        if not isinstance(record["prompt"], str):
+            raise ValueError("'prompt' must be a string")
+        out = [{"role": "user", "content": record["prompt"]}]
     else:
-        raise ValueError("neither 'messages' (OpenAI form) nor 'conversations' (ShareGPT form)")
-    if not any(m["role"] == "assistant" for m in out):
-        raise ValueError("no assistant turn (nothing to learn from)")
-    return {"id": str(record.get("id", "")), "messages": out}
+        raise ValueError("none of 'messages' (OpenAI form), 'conversations' (ShareGPT form), 'turns' (MT-Bench "
+                         "form) or 'prompt'")
+    if not any(m["role"] in ("user", "assistant") for m in out):
+        raise ValueError("no user or assistant turn")
+    rid = record.get("id") if record.get("id") is not None else record.get("question_id")
+    sample = {"id": "" if rid is None else str(rid), "messages": out}
+    if isinstance(record.get("category"), str) and record["category"]:
+        sample["category"] = record["category"]
+    return sample
+
+
+def is_prompt(sample: dict) -> bool:
+    """True for a sample without an assistant turn (only regeneration can give it one)."""
+    return not any(m["role"] == "assistant" for m in sample["messages"])
 
 
 def _records_from_dataset(path: Path) -> list[tuple[int, object]]:
@@ -99,8 +126,12 @@ def source_digest(path: Path | str) -> str:
     return h.hexdigest()
 
 
-def load_conversations(path: Path | str) -> Conversations:
-    """Load and normalise every conversation in ``path``; raise :class:`DataError` if none is usable."""
+def load_conversations(path: Path | str, *, prompts: bool = False) -> Conversations:
+    """Load and normalise every conversation in ``path``; raise :class:`DataError` if none is usable.
+
+    ``prompts=True`` (regeneration will answer them) keeps records without an assistant turn; otherwise they
+    are skipped, and an input holding only such records is a :class:`DataError` asking for
+    ``--regenerate-endpoint``."""
     path = Path(path)
     if path.is_dir():
         records, skipped = _records_from_dataset(path), []
@@ -109,7 +140,7 @@ def load_conversations(path: Path | str) -> Conversations:
     else:
         raise DataError(f"conversations {path} does not exist: pass --conversations a JSONL or JSON file or a "
                         "Hugging Face dataset directory (save_to_disk)")
-    samples = []
+    samples, prompt_only = [], 0
     for where, rec in records:
         try:
             s = _normalise(rec)
@@ -117,9 +148,41 @@ def load_conversations(path: Path | str) -> Conversations:
             skipped.append((where, str(e)))
             continue
         s["id"] = s["id"] or f"{path.stem}-{where}"
+        if is_prompt(s):
+            prompt_only += 1
+            if not prompts:
+                skipped.append((where, "no assistant turn (a prompt: pass --regenerate-endpoint to have the "
+                                       "verifier answer it)"))
+                continue
         samples.append(s)
+    if not samples and prompt_only:
+        raise DataError(f"{path} holds prompts only: {prompt_only} of its {len(records)} records have no "
+                        "assistant turn, so there is nothing to learn from yet; pass --regenerate-endpoint URL (an "
+                        "OpenAI-compatible server of the verifier, e.g. `vllm serve <verifier>`) so the verifier "
+                        "answers them")
     if not samples:
         unit = "row" if path.is_dir() else "line"
         detail = "; ".join(f"{unit} {n}: {why}" for n, why in skipped[:5])
         raise DataError(f"no usable conversation in {path}" + (f" ({detail})" if detail else ""))
-    return Conversations(samples=samples, skipped=skipped)
+    return Conversations(samples=samples, skipped=skipped, prompts=prompt_only)
+
+
+def select_categories(samples: list[dict], spec: str | None, source: Path | str) -> list[dict]:
+    """The samples ``spec`` (see :func:`draftline.config.parse_categories`) selects; a name no sample has is a :class:`DataError`
+    (a typo would otherwise select nothing, or drop nothing, silently)."""
+    from draftline.config import parse_categories
+
+    keep, drop = parse_categories(spec)
+    if not keep and not drop:
+        return samples
+    present = {s["category"] for s in samples if "category" in s}
+    if not present:
+        raise DataError(f"--categories {spec} was given but no record of {source} has a 'category' field: "
+                        "drop the setting or use an input with categories")
+    unknown = sorted((keep | drop) - present)
+    if unknown:
+        raise DataError(f"--categories: no record of {source} has category {', '.join(unknown)} (its categories: "
+                        f"{', '.join(sorted(present))})")
+    if keep:
+        return [s for s in samples if s.get("category") in keep]
+    return [s for s in samples if s.get("category") not in drop]

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -81,20 +82,30 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoTokenizer
 
-    from draftline.data.conversations import load_conversations
+    from draftline.data.conversations import is_prompt, load_conversations, select_categories
     from draftline.data.tokenize import tokenize_conversations
 
-    convs = load_conversations(cfg.conversations)
+    convs = load_conversations(cfg.conversations, prompts=bool(cfg.regenerate_endpoint))
     for where, why in convs.skipped[:20]:
         log.warning("skipped record %s of %s: %s", where, cfg.conversations, why)
-    samples = convs.samples[: cfg.max_samples] if cfg.max_samples else convs.samples
+    samples = select_categories(convs.samples, cfg.categories, cfg.conversations)
+    samples = samples[: cfg.max_samples] if cfg.max_samples else samples
+    categories = dict(sorted(Counter(s["category"] for s in samples if "category" in s).items()))
+    prompts = sum(map(is_prompt, samples))
     regenerated = _regenerate(cfg, samples, progress) if cfg.regenerate_endpoint else None
     if regenerated:
         samples = regenerated.pop("samples")
+        regenerated["prompts"] = prompts  # samples that came without an assistant turn
 
     verifier_path = resolve_verifier(cfg.verifier)
     tokenizer = AutoTokenizer.from_pretrained(verifier_path)
     tokenized = tokenize_conversations(samples, tokenizer, cfg.max_length)
+    if regenerated:
+        regenerated["turns_from_token_ids"] = sum(t.turns_from_ids for t in tokenized)
+        regenerated["turns_token_ids_unplaced"] = sum(t.turns_ids_unplaced for t in tokenized)
+        log.info("regenerated replies: %d assistant turns tokenised from the server's token ids, %d from text "
+                 "(ids that could not be placed)", regenerated["turns_from_token_ids"],
+                 regenerated["turns_token_ids_unplaced"])
     if not tokenized:
         raise DataError(f"no conversation in {cfg.conversations} has an assistant token within "
                         f"max_length={cfg.max_length}")
@@ -146,6 +157,7 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
         "tokens": sum(e["tokens"] for e in entries),
         "masked_tokens": sum(e["masked_tokens"] for e in entries),
         "skipped_records": len(convs.skipped),
+        **({"categories": categories} if categories else {}),  # samples per category, as given to tokenisation
         "source": str(Path(cfg.conversations).resolve()),
         "location": str(Path(out_dir).resolve()),
         "shards": entries,

@@ -3,6 +3,13 @@
 The mask is derived from the chat template itself: for each assistant turn, the text the template renders
 for the turn (prefix with ``add_generation_prompt=True`` up to the rendering that includes the turn) is
 located by character offsets, so any template whose renderings are prefix-stable works, generation tags or not.
+
+An assistant turn that carries the verifier's own ``token_ids`` (regeneration through a server that returns
+them) contributes those ids instead of a re-tokenisation of its text: the conversation is cut at the turn's
+content, the text around it is tokenised as before, and the reply's ids go in between (a trailing stop token
+is dropped: the template writes its own end of turn). The ids are used only where they can be placed: the
+template renders the content verbatim (where a probe content lands) and the ids decode to exactly that text;
+otherwise the turn falls back to its text.
 """
 
 from __future__ import annotations
@@ -11,12 +18,16 @@ from dataclasses import dataclass
 
 from draftline.errors import DataError
 
+_PROBE = "draftline-content-probe-7f3a"
+
 
 @dataclass
 class TokenizedSample:
     id: str
     input_ids: list[int]
     loss_mask: list[int]
+    turns_from_ids: int = 0  # assistant turns whose tokens are the server's reply ids
+    turns_ids_unplaced: int = 0  # turns that carried ids but were tokenised from their text
 
     @property
     def num_masked(self) -> int:
@@ -29,13 +40,13 @@ def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
 
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The full rendered text and the ``[start, end)`` character spans of each assistant turn."""
-    full = _render(tokenizer, messages, False)
+    full = _render(tokenizer, _plain(messages), False)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start_text = _render(tokenizer, messages[:i], True) if i else _render(tokenizer, [], True)
-        end_text = _render(tokenizer, messages[: i + 1], False).rstrip()
+        start_text = _render(tokenizer, _plain(messages[:i]), True) if i else _render(tokenizer, [], True)
+        end_text = _render(tokenizer, _plain(messages[: i + 1]), False).rstrip()
         if not (full.startswith(start_text) and full.startswith(end_text) and len(end_text) >= len(start_text)):
             raise DataError(
                 "the verifier's chat template does not render conversations prefix-stably, so assistant turns "
@@ -46,12 +57,61 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
     return full, spans
 
 
+def _plain(messages: list[dict]) -> list[dict]:
+    """Messages as the template sees them (role and content; reply ids are not the template's business)."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _reply_ids(tokenizer, messages: list[dict], i: int, text: str, start: int) -> tuple[int, list[int]] | None:
+    """Where assistant turn ``i``'s content starts in ``text`` and the ids that stand for it, or None when its
+    ids cannot be placed (see the module)."""
+    m = messages[i]
+    ids = list(m["token_ids"])
+    special = set(tokenizer.all_special_ids)
+    while ids and ids[-1] in special:  # the stop token: the template writes its own end of turn
+        ids.pop()
+    content = m["content"]
+    if tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) != content:
+        return None
+    probe = _render(tokenizer, _plain(messages[:i]) + [{"role": "assistant", "content": _PROBE}], False)
+    at = probe.find(_PROBE, start)
+    if at < 0 or text[start:at] != probe[start:at] or not text.startswith(content, at):
+        return None
+    return at, ids
+
+
+def _encode(tokenizer, text: str, a: int, b: int, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Tokens of ``text[a:b]`` and their mask (1 inside an assistant span)."""
+    if a >= b:
+        return [], []
+    enc = tokenizer(text[a:b], add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(s <= a + x and a + y <= e and y > x for s, e in spans)) for x, y in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
+
+
 def tokenize_sample(tokenizer, sample: dict, max_length: int) -> TokenizedSample:
-    text, spans = assistant_spans(tokenizer, sample["messages"])
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"][:max_length], enc["offset_mapping"][:max_length]
-    mask = [int(any(s <= a and b <= e and b > a for s, e in spans)) for a, b in offsets]
-    return TokenizedSample(id=sample["id"], input_ids=list(ids), loss_mask=mask)
+    messages = sample["messages"]
+    text, spans = assistant_spans(tokenizer, messages)
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    cuts, unplaced = [], 0  # (content start, content end, ids) of turns whose ids stand in for their text
+    for i, (start, _end) in zip(assistant, spans, strict=True):
+        if not messages[i].get("token_ids"):
+            continue
+        placed = _reply_ids(tokenizer, messages, i, text, start)
+        if placed is None:
+            unplaced += 1
+        else:
+            cuts.append((placed[0], placed[0] + len(messages[i]["content"]), placed[1]))
+    ids: list[int] = []
+    mask: list[int] = []
+    pos = 0
+    for a, b, reply in [*cuts, (len(text), len(text), [])]:
+        seg_ids, seg_mask = _encode(tokenizer, text, pos, a, spans)
+        ids += seg_ids + reply
+        mask += seg_mask + [1] * len(reply)
+        pos = b
+    return TokenizedSample(id=sample["id"], input_ids=ids[:max_length], loss_mask=mask[:max_length],
+                           turns_from_ids=len(cuts), turns_ids_unplaced=unplaced)
 
 
 def tokenize_conversations(samples: list[dict], tokenizer, max_length: int) -> list[TokenizedSample]:

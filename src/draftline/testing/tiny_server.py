@@ -1,13 +1,18 @@
 """A small OpenAI-compatible server (FastAPI + uvicorn) for a local Hugging Face causal LM directory.
 
 It stands in for ``vllm serve`` in tests and demos: ``GET /v1/models`` and ``POST /v1/chat/completions``
-(non-streaming, one choice). With ``hidden_states_dir`` it also answers ``POST /v1/completions`` with
-``max_tokens=1`` the way vLLM does under speculators' hidden-state extraction (it writes ``hs_<id>.safetensors``
-with ``token_ids`` and ``hidden_states`` [T, aux + 1, H] and returns the path in ``kv_transfer_params``): an
-emulation for testing draftline's vLLM capture backend, computed with transformers. Failure injection exercises clients' retries: ``fail_every=N`` answers 503 to
-every Nth completion request, ``fail_after=K`` answers 503 to every completion request after K succeeded.
+(non-streaming, one choice; ``return_token_ids`` answered as vLLM does: ``prompt_token_ids`` at the top of the
+response and the reply's ``token_ids`` in its choice). Concurrent greedy requests are batched into one
+left-padded ``generate`` call (up to ``max_batch`` at once; ``max_batch=1`` serves one at a time), giving each
+request the same tokens it gets alone; sampled requests run alone, so their seeds mean what they say. With
+``hidden_states_dir`` it also answers ``POST /v1/completions`` with ``max_tokens=1`` the way vLLM does under
+speculators' hidden-state extraction (it writes ``hs_<id>.safetensors`` with ``token_ids`` and
+``hidden_states`` [T, aux + 1, H] and returns the path in ``kv_transfer_params``): an emulation for testing
+draftline's vLLM capture backend, computed with transformers. Failure injection exercises clients' retries:
+``fail_every=N`` answers 503 to every Nth completion request, ``fail_after=K`` answers 503 to every completion
+request after K succeeded.
 
-    python -m draftline.testing.tiny_server MODEL_DIR --port 8000 [--fail-every N] [--fail-after K]
+    python -m draftline.testing.tiny_server MODEL_DIR --port 8000 [--max-batch N] [--fail-every N] [--fail-after K]
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class ChatRequest(BaseModel):
     seed: int | None = None
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
+    return_token_ids: bool | None = None
 
 
 @dataclass
@@ -63,14 +69,17 @@ class ServerState:
     requests: int = 0  # completion requests received, failed ones included
     completions: int = 0  # completion requests answered 200
     failures: int = 0  # completion requests answered 503 on purpose
+    batches: list[int] = field(default_factory=list)  # the size of every generate call, in order
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 def create_app(model_dir: str | Path, *, served_model_name: str | None = None, fail_every: int | None = None,
                fail_after: int | None = None, api_key: str | None = None, state: ServerState | None = None,
-               hidden_states_dir: str | Path | None = None, aux_layer_ids: list[int] | None = None):
+               hidden_states_dir: str | Path | None = None, aux_layer_ids: list[int] | None = None,
+               max_batch: int = 32, batch_wait_s: float = 0.02):
     """The FastAPI app serving ``model_dir`` (weights + tokenizer with a chat template) on the CPU;
-    with ``api_key``, /v1 requests without ``Authorization: Bearer <api_key>`` get 401 (as vLLM's --api-key)."""
+    with ``api_key``, /v1 requests without ``Authorization: Bearer <api_key>`` get 401 (as vLLM's --api-key).
+    Greedy requests arriving within ``batch_wait_s`` of each other share a generate call of up to ``max_batch``."""
     import torch
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
@@ -82,9 +91,11 @@ def create_app(model_dir: str | Path, *, served_model_name: str | None = None, f
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     state = state or ServerState(fail_every=fail_every, fail_after=fail_after)
     generate_lock = threading.Lock()  # one generation at a time, like one accelerator
+    batcher = Batcher(model, tokenizer, generate_lock, state, max_batch=max_batch, wait_s=batch_wait_s)
     created = int(time.time())
     app = FastAPI(title="draftline tiny server")
     app.state.draftline = state
+    app.state.batcher = batcher
 
     def error(status: int, message: str, kind: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -115,29 +126,24 @@ def create_app(model_dir: str | Path, *, served_model_name: str | None = None, f
             return error(400, "streaming is not supported by the tiny server", "BadRequestError")
         messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         max_new = req.max_completion_tokens or req.max_tokens or 16
-        sample = req.temperature > 0
-        kwargs: dict[str, Any] = dict(do_sample=sample, max_new_tokens=max_new, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id)
-        if sample:
-            kwargs.update(temperature=req.temperature, top_p=req.top_p, top_k=0)
-        with generate_lock, torch.no_grad():
-            if sample and req.seed is not None:
-                torch.manual_seed(req.seed)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)[0, ids.shape[1]:].tolist()
+        sampling = (req.temperature, req.top_p, req.seed) if req.temperature > 0 else None
+        out = batcher.generate(ids, max_new, sampling)
         stopped = bool(out) and out[-1] == tokenizer.eos_token_id
         text = tokenizer.decode(out, skip_special_tokens=True)
         with state.lock:
             state.completions += 1
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": "stop" if stopped else "length"}],
-            "usage": {"prompt_tokens": ids.shape[1], "completion_tokens": len(out),
-                      "total_tokens": ids.shape[1] + len(out)},
-        }
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": "stop" if stopped else "length"}
+        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": name, "choices": [choice],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out),
+                          "total_tokens": len(ids) + len(out)}}
+        if req.return_token_ids:  # as vLLM: the prompt's ids at the top, the reply's (stop token included) per choice
+            body["prompt_token_ids"] = ids
+            choice["token_ids"] = out
+        return body
 
     if hidden_states_dir is not None:
         _add_hidden_state_extraction(app, model, name, Path(hidden_states_dir), list(aux_layer_ids or []),
@@ -175,6 +181,110 @@ def _add_hidden_state_extraction(app, model, name: str, out: Path, aux: list[int
 
 
 @dataclass
+class _Job:
+    ids: list[int]
+    max_new: int
+    sampling: tuple[float, float, int | None] | None  # (temperature, top_p, seed), None for greedy
+    done: threading.Event = field(default_factory=threading.Event)
+    out: list[int] | None = None
+    error: BaseException | None = None
+
+
+class Batcher:
+    """Runs generation on one thread: greedy requests waiting together form one left-padded batch (the
+    attention mask hides the padding and generate derives position ids from it, so each row gets the tokens it
+    gets alone); a sampled request runs alone."""
+
+    def __init__(self, model, tokenizer, lock: threading.Lock, state: ServerState, *, max_batch: int,
+                 wait_s: float):
+        eos = tokenizer.eos_token_id
+        self.model, self.lock, self.state = model, lock, state
+        self.eos = eos
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        self.max_batch, self.wait_s = max(1, max_batch), wait_s
+        self.queue: list[_Job] = []
+        self.cond = threading.Condition()
+        self.closed = False
+        threading.Thread(target=self._loop, name="tiny-server-generate", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop the generation thread once the queue is empty."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def generate(self, ids: list[int], max_new: int, sampling) -> list[int]:
+        """The reply's token ids: up to ``max_new``, ending with the stop token when it came."""
+        job = _Job(list(ids), max_new, sampling)
+        with self.cond:
+            self.queue.append(job)
+            self.cond.notify()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.out
+
+    def _take(self) -> list[_Job]:
+        with self.cond:
+            while not self.queue and not self.closed:
+                self.cond.wait()
+            if not self.queue:
+                return []
+            if self.queue[0].sampling is not None or self.max_batch == 1:
+                return [self.queue.pop(0)]
+            deadline = time.monotonic() + self.wait_s  # let requests sent together arrive together
+            while len([j for j in self.queue if j.sampling is None]) < self.max_batch:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            batch = [j for j in self.queue if j.sampling is None][: self.max_batch]
+            self.queue = [j for j in self.queue if j not in batch]
+            return batch
+
+    def _loop(self) -> None:
+        while jobs := self._take():
+            try:
+                outs = self._run(jobs)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting requests
+                for j in jobs:
+                    j.error = e
+            else:
+                for j, out in zip(jobs, outs, strict=True):
+                    j.out = out
+            for j in jobs:
+                j.done.set()
+
+    def _run(self, jobs: list[_Job]) -> list[list[int]]:
+        import torch
+
+        longest = max(len(j.ids) for j in jobs)
+        ids = torch.full((len(jobs), longest), self.pad, dtype=torch.long)
+        mask = torch.zeros(len(jobs), longest, dtype=torch.long)
+        for r, j in enumerate(jobs):  # left padding: every row's last prompt token is in the last column
+            ids[r, longest - len(j.ids):] = torch.tensor(j.ids)
+            mask[r, longest - len(j.ids):] = 1
+        kwargs: dict[str, Any] = dict(do_sample=False, max_new_tokens=max(j.max_new for j in jobs),
+                                      eos_token_id=self.eos, pad_token_id=self.pad)
+        sampling = jobs[0].sampling
+        if sampling is not None:
+            kwargs.update(do_sample=True, temperature=sampling[0], top_p=sampling[1], top_k=0)
+        with self.lock, torch.no_grad():
+            if sampling is not None and sampling[2] is not None:
+                torch.manual_seed(sampling[2])
+            out = self.model.generate(ids, attention_mask=mask, **kwargs)[:, longest:].tolist()
+        with self.state.lock:
+            self.state.batches.append(len(jobs))
+        replies = []
+        for j, row in zip(jobs, out, strict=True):
+            row = row[: j.max_new]
+            if self.eos in row:  # a finished row is padded after its stop token
+                row = row[: row.index(self.eos) + 1]
+            replies.append(row)
+        return replies
+
+
+@dataclass
 class RunningServer:
     url: str  # the OpenAI base URL, e.g. http://127.0.0.1:PORT/v1
     model: str
@@ -184,12 +294,13 @@ class RunningServer:
 @contextlib.contextmanager
 def serve_in_thread(model_dir: str | Path, *, served_model_name: str | None = None, fail_every: int | None = None,
                     fail_after: int | None = None, api_key: str | None = None, host: str = "127.0.0.1",
-                    port: int = 0, **extraction: Any) -> Iterator[RunningServer]:
-    """Serve ``model_dir`` from a background thread on a free loopback port; stops on exit."""
+                    port: int = 0, **options: Any) -> Iterator[RunningServer]:
+    """Serve ``model_dir`` from a background thread on a free loopback port; stops on exit. ``options`` go to
+    :func:`create_app` (hidden-state extraction, ``max_batch``, ``batch_wait_s``)."""
     import uvicorn
 
     state = ServerState(fail_every=fail_every, fail_after=fail_after)
-    app = create_app(model_dir, served_model_name=served_model_name, api_key=api_key, state=state, **extraction)
+    app = create_app(model_dir, served_model_name=served_model_name, api_key=api_key, state=state, **options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -209,6 +320,7 @@ def serve_in_thread(model_dir: str | Path, *, served_model_name: str | None = No
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+        app.state.batcher.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,11 +332,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fail-every", type=int, default=None, help="Answer 503 to every Nth completion request.")
     p.add_argument("--fail-after", type=int, default=None, help="Answer 503 once K completions succeeded.")
     p.add_argument("--api-key", default=None, help="Require this bearer key (default: none).")
+    p.add_argument("--max-batch", type=int, default=32, help="Most greedy requests per generate call (1: none "
+                                                             "batched).")
     args = p.parse_args(argv)
     import uvicorn
 
     app = create_app(args.model_dir, served_model_name=args.served_model_name, fail_every=args.fail_every,
-                     fail_after=args.fail_after, api_key=args.api_key)
+                     fail_after=args.fail_after, api_key=args.api_key, max_batch=args.max_batch)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 
