@@ -7,6 +7,7 @@
     python -m benchmarks.run registry [--shape real|tiny]
     python -m benchmarks.run data
     python -m benchmarks.run regenerate             (tiny server: batched vs one request at a time)
+    python -m benchmarks.run evaluation             (measured vs teacher-forced acceptance, tiny verifier)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _table(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan", "data",
-                                         "regenerate"])
+                                         "regenerate", "evaluation"])
     ap.add_argument("--shape", default=None, choices=["tiny", "real"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
@@ -50,6 +51,10 @@ def main(argv=None) -> int:
         result = run()
     elif args.name == "plan":
         from benchmarks.plan import run
+
+        result = run()
+    elif args.name == "evaluation":
+        from benchmarks.evaluation import run
 
         result = run()
     elif args.name == "data":

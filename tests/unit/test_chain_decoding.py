@@ -147,3 +147,52 @@ def test_recommend_refuses_rates_that_are_not_probabilities():
     with pytest.raises(ValueError):
         recommend_num_speculative_tokens([0.5], draft_cost_ratio=-1)
 
+
+
+VLLM_METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0
+vllm:spec_decode_num_drafts_total{engine="0",model_name="other"} 99.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 45.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 20.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="0"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 6.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 2.0
+vllm:num_requests_running{engine="0",model_name="m"} 0.0
+"""
+
+
+def test_vllm_counters_are_read_by_their_exported_names():
+    from draftline.evaluation.vllm_backend import parse_counters, server_root
+
+    c = parse_counters(VLLM_METRICS, "m")
+    assert c["num_drafts"] == 15.0  # summed over engines, the other model left out
+    assert c["num_draft_tokens"] == 45.0 and c["num_accepted_tokens"] == 20.0
+    assert c["num_accepted_tokens_per_pos"] == {0: 12.0, 1: 6.0, 2: 2.0}
+    assert server_root("http://h:8000/v1/") == "http://h:8000"
+
+
+def test_the_vllm_backend_reads_the_counters_measure_chain_counts(tiny, verifier, trained, tmp_path):
+    """Against the tiny server decoding with the same drafter (vLLM's /v1/completions and /metrics), the
+    counters measure_vllm reads equal those measure_chain counts in process on the same prompts."""
+    from draftline.evaluation.vllm_backend import measure_vllm
+    from draftline.testing.tiny_server import serve_in_thread
+
+    model, tok = verifier
+    drafter, held_out = trained
+    directory = greedy.save_drafter(drafter, tiny["verifier"], tmp_path / "drafter")
+    local = measure_chain(model, load_drafter(tiny["verifier"], directory), held_out, k=3, max_new_tokens=20,
+                          eos_token_ids={tok.eos_token_id})
+    with serve_in_thread(tiny["verifier"], speculative_drafter=directory, num_speculative_tokens=3) as server:
+        served = measure_vllm(server.url, server.model, held_out, max_new_tokens=20, concurrency=2)
+    assert served.k == 3 and served.prompts == len(held_out)
+    for name in ("drafts", "draft_tokens", "accepted", "accepted_per_pos", "generated_tokens"):
+        assert getattr(served, name) == getattr(local, name), name
+    assert local.accepted > 0
+    assert served.lossless_checked is False and "lossless" not in served.metrics()
+    assert served.acceptance_length == pytest.approx(local.acceptance_length)

@@ -106,13 +106,6 @@ class Counters:
             self.accepted_per_pos[i] += 1
 
 
-def truncate(cache, length: int) -> None:
-    """Cut a ``DynamicCache`` back to its first ``length`` positions (a negative ``crop`` removes that many)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 def speculative_generate(verifier, proposer, prompt: list[int], *, k: int, max_new_tokens: int,
                          eos_token_ids: Iterable[int] = (), counters: Counters | None = None) -> list[int]:
     """Greedy chain speculative decoding of one prompt; returns the generated tokens and updates ``counters``.
@@ -122,6 +115,8 @@ def speculative_generate(verifier, proposer, prompt: list[int], *, k: int, max_n
     """
     import torch
     from transformers import DynamicCache
+
+    from draftline.evaluation.proposer import truncate
 
     if k < 1:
         raise ValueError(f"num_speculative_tokens must be at least 1 (got {k})")

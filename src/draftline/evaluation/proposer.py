@@ -28,6 +28,13 @@ import torch
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
+def truncate(cache, length: int) -> None:
+    """Cut a ``DynamicCache`` back to its first ``length`` positions (a negative ``crop`` removes that many)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 class Eagle3Proposer:
     """Greedy chain drafts for one sequence at a time; :meth:`reset` before each new prompt."""
 
@@ -104,8 +111,6 @@ class Eagle3Proposer:
         n = len(next_tokens)
         if aux_hidden.shape[0] != n:
             raise ValueError(f"{aux_hidden.shape[0]} hidden states for {n} tokens")
-        from draftline.evaluation.chain import truncate
-
         truncate(self.cache, self.verified)  # forget the previous round's drafts
         ids = torch.tensor([next_tokens], device=self.device)
         x = torch.cat([m.embed_tokens(ids), self._combine(aux_hidden).unsqueeze(0)], dim=-1)

@@ -94,3 +94,23 @@ def teacher_forced(drafter, recs: list[dict], ttt_steps: int = 3) -> dict[str, f
     out = summarise(sums, ttt_steps)
     out["full_vocab_acc_0"] = hits / total if total else 0.0
     return out
+
+
+def save_drafter(model, verifier_dir: Path, out: Path) -> Path:
+    """Write ``model`` as a drafter directory in the SpecForge/AQ-MedAI layout (as the tiny parent is)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from draftline.checkpoints import VERIFIER_OWNED, to_midlayer_layout
+    from draftline.drafter_shape import specforge_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+             if k not in VERIFIER_OWNED}
+    save_file(to_midlayer_layout(state), out / "model.safetensors", metadata={"format": "pt"})
+    cfg = specforge_config(AutoConfig.from_pretrained(verifier_dir), draft_vocab_size=int(model.d2t.numel()),
+                           aux_layer_ids=list(model.config.eagle_aux_hidden_state_layer_ids))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out

@@ -11,8 +11,13 @@ speculators' hidden-state extraction (it writes ``hs_<id>.safetensors`` with ``t
 draftline's vLLM capture backend, computed with transformers. Failure injection exercises clients' retries:
 ``fail_every=N`` answers 503 to every Nth completion request, ``fail_after=K`` answers 503 to every completion
 request after K succeeded.
+With ``speculative_drafter=DIR`` it answers ``POST /v1/completions`` (token-id prompts, temperature 0) by greedy
+chain speculative decoding with that EAGLE-3 drafter (``num_speculative_tokens``, default 3), as
+``draftline.evaluation.chain`` decodes, and exposes vLLM's spec-decode counters at ``GET /metrics`` in vLLM's
+Prometheus format: an emulation for testing draftline's vLLM evaluation backend.
 
     python -m draftline.testing.tiny_server MODEL_DIR --port 8000 [--max-batch N] [--fail-every N] [--fail-after K]
+                                            [--speculative-drafter DIR [--num-speculative-tokens K]]
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ class ServerState:
 def create_app(model_dir: str | Path, *, served_model_name: str | None = None, fail_every: int | None = None,
                fail_after: int | None = None, api_key: str | None = None, state: ServerState | None = None,
                hidden_states_dir: str | Path | None = None, aux_layer_ids: list[int] | None = None,
-               max_batch: int = 32, batch_wait_s: float = 0.02):
+               max_batch: int = 32, batch_wait_s: float = 0.02,
+               speculative_drafter: str | Path | None = None, num_speculative_tokens: int = 3):
     """The FastAPI app serving ``model_dir`` (weights + tokenizer with a chat template) on the CPU;
     with ``api_key``, /v1 requests without ``Authorization: Bearer <api_key>`` get 401 (as vLLM's --api-key).
     Greedy requests arriving within ``batch_wait_s`` of each other share a generate call of up to ``max_batch``."""
@@ -148,6 +154,11 @@ def create_app(model_dir: str | Path, *, served_model_name: str | None = None, f
     if hidden_states_dir is not None:
         _add_hidden_state_extraction(app, model, name, Path(hidden_states_dir), list(aux_layer_ids or []),
                                      generate_lock, error)
+    if speculative_drafter is not None:
+        if hidden_states_dir is not None:
+            raise ValueError("hidden_states_dir and speculative_drafter both answer /v1/completions; pass one")
+        _add_speculative_decoding(app, model, tokenizer, model_dir, name, Path(speculative_drafter),
+                                  num_speculative_tokens, generate_lock, error)
     return app
 
 
@@ -178,6 +189,71 @@ def _add_hidden_state_extraction(app, model, name: str, out: Path, aux: list[int
                              "prompt_token_ids": list(req.prompt)}],
                 "usage": {"prompt_tokens": len(req.prompt), "completion_tokens": 1,
                           "total_tokens": len(req.prompt) + 1}}
+
+
+SPEC_DECODE_COUNTERS = (  # vLLM's names and help texts (vllm/v1/spec_decode/metrics.py, SpecDecodingProm)
+    ("num_drafts", "Number of spec decoding drafts."),
+    ("num_draft_tokens", "Number of draft tokens."),
+    ("num_accepted_tokens", "Number of accepted tokens."),
+)
+
+
+def prometheus_text(counters, model_name: str, created: float) -> str:
+    """vLLM's spec-decode counters as the Prometheus client writes them (``_total`` and ``_created`` samples)."""
+    labels = f'engine="0",model_name="{model_name}"'
+    lines: list[str] = []
+
+    def counter(name: str, doc: str, series: list[tuple[str, float]]) -> None:
+        full = f"vllm:spec_decode_{name}"
+        lines.extend([f"# HELP {full}_total {doc}", f"# TYPE {full}_total counter"])
+        lines.extend(f"{full}_total{{{lab}}} {float(v)}" for lab, v in series)
+        lines.extend([f"# HELP {full}_created {doc}", f"# TYPE {full}_created gauge"])
+        lines.extend(f"{full}_created{{{lab}}} {created}" for lab, _ in series)
+
+    for name, doc in SPEC_DECODE_COUNTERS:
+        value = {"num_drafts": counters.drafts, "num_draft_tokens": counters.draft_tokens,
+                 "num_accepted_tokens": counters.accepted}[name]
+        counter(name, doc, [(labels, value)])
+    counter("num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            [(f'{labels},position="{i}"', v) for i, v in enumerate(counters.accepted_per_pos)])
+    return "\n".join(lines) + "\n"
+
+
+def _add_speculative_decoding(app, model, tokenizer, model_dir: str, name: str, drafter_dir: Path, k: int,
+                              generate_lock, error) -> None:
+    from fastapi.responses import PlainTextResponse
+
+    from draftline.evaluation.chain import Counters, speculative_generate
+    from draftline.evaluation.drafter import load_drafter
+    from draftline.evaluation.proposer import Eagle3Proposer
+
+    proposer = Eagle3Proposer(load_drafter(model_dir, drafter_dir))
+    counters = Counters(k)
+    created = time.time()
+    eos = tokenizer.eos_token_id
+
+    @app.post("/v1/completions", response_model=None)
+    def completions(req: CompletionRequest) -> Any:
+        if req.model != name:
+            return error(404, f"The model `{req.model}` does not exist.", "NotFoundError")
+        if float((req.model_extra or {}).get("temperature", 1.0)) != 0.0:
+            return error(400, "the tiny server decodes speculatively at temperature 0 only", "BadRequestError")
+        with generate_lock:
+            out = speculative_generate(model, proposer, list(req.prompt), k=k, max_new_tokens=req.max_tokens or 16,
+                                       eos_token_ids={eos}, counters=counters)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": name,
+                "choices": [{"index": 0, "text": tokenizer.decode(out, skip_special_tokens=True), "logprobs": None,
+                             "finish_reason": "stop" if out and out[-1] == eos else "length",
+                             "token_ids": out}],
+                "usage": {"prompt_tokens": len(req.prompt), "completion_tokens": len(out),
+                          "total_tokens": len(req.prompt) + len(out)}}
+
+    @app.get("/metrics", response_model=None)
+    def metrics() -> Any:
+        with generate_lock:
+            text = prometheus_text(counters, name, created)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @dataclass
@@ -334,11 +410,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--api-key", default=None, help="Require this bearer key (default: none).")
     p.add_argument("--max-batch", type=int, default=32, help="Most greedy requests per generate call (1: none "
                                                              "batched).")
+    p.add_argument("--speculative-drafter", default=None,
+                   help="EAGLE-3 drafter directory: /v1/completions decodes speculatively, /metrics has vLLM's counters.")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="Drafts per step (default 3).")
     args = p.parse_args(argv)
     import uvicorn
 
     app = create_app(args.model_dir, served_model_name=args.served_model_name, fail_every=args.fail_every,
-                     fail_after=args.fail_after, api_key=args.api_key, max_batch=args.max_batch)
+                     fail_after=args.fail_after, api_key=args.api_key, max_batch=args.max_batch,
+                     speculative_drafter=args.speculative_drafter, num_speculative_tokens=args.num_speculative_tokens)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 
