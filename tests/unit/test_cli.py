@@ -22,7 +22,7 @@ def run():
 
 def test_help_lists_every_command_and_stage_settings(run):
     out = run("--help").output
-    for cmd in ("prepare", "finetune", "export", "main", "promote", "pull", "inspect", "make-tiny"):
+    for cmd in ("prepare", "finetune", "export", "main", "promote", "pull", "inspect", "make-tiny", "make-verifier"):
         assert cmd in out
     ft = run("finetune", "--help").output
     assert "--zero-stage" in ft and "DeepSpeed ZeRO stage" in ft and "[parent|rebuild]" in ft

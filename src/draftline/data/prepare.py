@@ -212,6 +212,7 @@ def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
         tracking.log_params_once({
             "verifier.name_or_path": manifest.get("verifier_id") or manifest["verifier"],
             "verifier.path": manifest["verifier"],
+            "verifier.revision": manifest.get("verifier_revision") or "none",
             "verifier.aux_layers": manifest["aux_layer_ids"],
             "data.source": manifest["source"],
             "data.max_length": cfg.max_length,
