@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The demo: tiny verifier -> prepare -> finetune from the tiny AQ-MedAI-layout parent (DeepSpeed ZeRO-2,
-# 2 ranks; CPU here) -> export + register -> promote to Production -> verified pull.
+# The demo: tiny verifier, served on loopback as `vllm serve` would -> an evaluation set from MT-Bench prompts
+# answered by the verifier -> the parent measured on it -> training data answered by the verifier -> finetune
+# from the tiny AQ-MedAI-layout parent (DeepSpeed ZeRO-2, 2 ranks; CPU here) -> the child measured on the same
+# set -> export + register -> promote to Production (only if it beats its parent there) -> verified pull.
 # Tracking: $MLFLOW_TRACKING_URI, else the embedded sqlite:///$PWD/mlflow.db.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -10,15 +12,28 @@ field() { python -c "import json,sys; print(json.load(sys.stdin)['$1'])"; }
 t0=$SECONDS; lap() { echo "== $1 took $((SECONDS - t0)) s" >&2; t0=$SECONDS; }
 
 [ -f work/tiny/parent/model.safetensors ] || draftline make-tiny work/tiny >/dev/null
-lap "make-tiny"
+port=$(python -c "from draftline.util import free_port; print(free_port())")
+python -m draftline.testing.tiny_server work/tiny/verifier --port "$port" >work/tiny-server.log 2>&1 &
+server=$!; trap 'kill $server 2>/dev/null' EXIT
+until curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null; do sleep 0.5; done
+endpoint="http://127.0.0.1:$port/v1"
+lap "make-tiny + server"
+
+evalset=$(draftline prepare --conversations configs/demo/mt_bench_questions.jsonl --verifier work/tiny/verifier \
+            --name evaluation --regenerate-endpoint "$endpoint" --regenerate-max-tokens 32 --max-samples 12 \
+            --max-length 256 | field data_uri)
 data=$(draftline prepare --conversations configs/demo/conversations.jsonl --verifier work/tiny/verifier \
-         --max-length 256 | field data_uri)
-lap "prepare"
-run=$(draftline finetune --data "$data" --init tiny --gpus 2 --zero-stage 2 --steps 30 --tokens-per-batch 512 \
-        --lr 5e-4 --save-every 10 | field run_id)
+         --regenerate-endpoint "$endpoint" --regenerate-max-tokens 32 --max-samples 64 --max-length 256 \
+         | field data_uri)
+lap "prepare (evaluation set + training data, answered by the verifier)"
+draftline evaluate --target tiny --data "$evalset" --max-new-tokens 24 >&2
+lap "evaluate the parent"
+run=$(draftline finetune --data "$data" --eval-data "$evalset" --init tiny --gpus 2 --zero-stage 2 --steps 30 \
+        --tokens-per-batch 512 --lr 5e-4 --val-every 10 --save-every 10 | field run_id)
 lap "finetune"
+draftline evaluate --target "runs:/$run" --data "$evalset" --max-new-tokens 24 >&2
 version=$(draftline export --run "$run" --registered-model tiny-drafter | field version)
-lap "export"
+lap "evaluate the child + export"
 draftline promote tiny-drafter "$version" --to Production
 draftline pull tiny-drafter --stage Production --dest work/pulled
 lap "promote + pull"
