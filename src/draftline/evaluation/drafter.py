@@ -1,4 +1,5 @@
-"""Load a drafter directory (speculators layout, or SpecForge/AQ-MedAI ``midlayer.*``) for decoding on this host."""
+"""Load a drafter directory (speculators layout, or SpecForge/AQ-MedAI ``midlayer.*``) for decoding on this host,
+by the same path finetune loads a parent: built for the verifier, weights copied in with strict keys and shapes."""
 
 from __future__ import annotations
 
@@ -6,31 +7,41 @@ import json
 from pathlib import Path
 
 
-def load_drafter(verifier_dir: str | Path, drafter_dir: str | Path, *, dtype=None, allow_pickle: bool = False):
-    """speculators' ``Eagle3DraftModel`` for ``verifier_dir`` with the weights, vocabulary and aux layers of
-    ``drafter_dir``, in eval mode, with ``sdpa`` attention (float32 unless ``dtype``).
-    Raises :class:`~draftline.errors.CheckpointError` when the directory is no EAGLE-3 drafter for it."""
+def load_drafter(verifier_dir: str | Path, drafter_dir: str | Path, *, aux_layer_ids: list[int] | None = None,
+                 layer: dict | None = None, ttt_steps: int = 3, dtype=None, allow_pickle: bool = False,
+                 name: str | None = None):
+    """speculators' ``Eagle3DraftModel`` for ``verifier_dir`` with the weights and vocabulary of ``drafter_dir``,
+    in eval mode, with ``sdpa`` attention (float32 unless ``dtype``).
+
+    ``aux_layer_ids``: the layers the data was captured from (a drafter recording others is refused); default:
+    the drafter's own, else EAGLE-3's default for the verifier. ``layer``: the decoder layer config when the
+    directory does not say it (a finetune run's ``layer_config.json``). Raises
+    :class:`~draftline.errors.CheckpointError` when the directory is no EAGLE-3 drafter for it."""
     import torch
 
     from draftline.checkpoints import find_checkpoint, load_into_model, read_tensors
-    from draftline.drafter_shape import aux_layer_ids, default_aux_layers, layer_config
-    from draftline.errors import CheckpointError
+    from draftline.drafter_shape import aux_layer_ids as aux_of
+    from draftline.drafter_shape import default_aux_layers, layer_config
+    from draftline.errors import CheckpointError, DataError
     from draftline.train.model import build_draft_model
 
     drafter_dir = Path(drafter_dir)
+    name = name or str(drafter_dir)
     files = find_checkpoint(drafter_dir, allow_pickle=allow_pickle)
     vocab = read_tensors(files, {"d2t", "t2d"})
     if set(vocab) != {"d2t", "t2d"}:
-        raise CheckpointError(f"drafter {drafter_dir} has no d2t/t2d: not an EAGLE-3 drafter with a draft "
-                              "vocabulary")
-    cfg_file = drafter_dir / "config.json"
-    config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    layer = layer_config(str(verifier_dir), config)
-    aux = aux_layer_ids(config) or default_aux_layers(
+        raise CheckpointError(f"drafter {name} has no d2t/t2d: not an EAGLE-3 drafter with a draft vocabulary")
+    config = files.config or {}
+    own = aux_of(config)
+    if aux_layer_ids is not None and own and own != list(aux_layer_ids):
+        raise DataError(f"drafter {name} reads aux layers {own} but the data has {list(aux_layer_ids)}: "
+                        f"prepare it with --aux-layers {','.join(map(str, own))}")
+    aux = list(aux_layer_ids) if aux_layer_ids is not None else own or default_aux_layers(
         json.loads((Path(verifier_dir) / "config.json").read_text())["num_hidden_layers"])
-    norm_before_residual = bool(config.get("norm_before_residual", False))
     model = build_draft_model(str(verifier_dir), d2t=vocab["d2t"], t2d=vocab["t2d"], aux_layer_ids=aux,
-                              draft_vocab_size=int(vocab["d2t"].numel()), attn_impl="sdpa",
-                              dtype=dtype or torch.float32, norm_before_residual=norm_before_residual, layer=layer)
+                              draft_vocab_size=int(vocab["d2t"].numel()), ttt_steps=ttt_steps, attn_impl="sdpa",
+                              dtype=dtype or torch.float32,
+                              norm_before_residual=bool(config.get("norm_before_residual", False)),
+                              layer=layer or layer_config(str(verifier_dir), config or None))
     load_into_model(model, files)
     return model.eval()

@@ -88,23 +88,7 @@ def load_drafter(target: Target, verifier: str, aux_layer_ids: list[int], *, ttt
                  dtype: torch.dtype = torch.float32):
     """Build the drafter for ``verifier`` and copy ``target``'s weights in (strict keys and shapes), the same
     path finetune loads a parent by."""
-    from draftline.checkpoints import find_checkpoint, load_into_model, read_tensors
-    from draftline.drafter_shape import aux_layer_ids as aux_of
-    from draftline.drafter_shape import layer_config
-    from draftline.train.model import build_draft_model
+    from draftline.evaluation.drafter import load_drafter as load
 
-    files = find_checkpoint(target.path)
-    own_aux = aux_of(files.config)
-    if own_aux and own_aux != list(aux_layer_ids):
-        raise DataError(f"drafter {target.name} reads aux layers {own_aux} but the evaluation set has "
-                        f"{list(aux_layer_ids)}: prepare the evaluation set with --aux-layers "
-                        f"{','.join(map(str, own_aux))}")
-    vocab = read_tensors(files, {"d2t", "t2d"})
-    if set(vocab) != {"d2t", "t2d"}:
-        raise DataError(f"drafter {target.name} carries no d2t/t2d draft vocabulary")
-    layer = target.layer or layer_config(verifier, files.config or None)
-    model = build_draft_model(verifier, d2t=vocab["d2t"], t2d=vocab["t2d"], aux_layer_ids=list(aux_layer_ids),
-                              draft_vocab_size=int(vocab["d2t"].numel()), ttt_steps=ttt_steps, dtype=dtype,
-                              layer=layer)
-    load_into_model(model, files)
-    return model.eval()
+    return load(verifier, target.path, aux_layer_ids=aux_layer_ids, layer=target.layer, ttt_steps=ttt_steps,
+                dtype=dtype, name=target.name)
