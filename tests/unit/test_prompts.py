@@ -6,7 +6,6 @@ the server's reply token ids stand in for re-tokenised text; concurrent requests
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -19,10 +18,9 @@ from draftline.data.tokenize import tokenize_sample
 from draftline.errors import ConfigError, DataError
 from draftline.testing.tiny_server import serve_in_thread
 
-from ..conftest import DEMO, ROOT
+from ..conftest import DEMO
 
-SHARED = Path(os.environ.get("DRAFTLINE_SHARED_DATA") or ROOT.parent / "shared" / "data")
-MT_BENCH = SHARED / "mt_bench_questions.jsonl"
+MT_BENCH = DEMO.parent / "mt_bench_questions.jsonl"  # shipped as FastChat has it (configs/demo/SOURCES.md)
 FAST = dict(max_tokens=8, progress=False, backoff_s=0.01)
 
 
@@ -109,7 +107,6 @@ def test_every_prompt_only_form_is_answered_turn_by_turn_with_the_verifiers_gree
     assert [s["id"] for s in load_conversations(inputs["prompt"], prompts=True).samples] == ["prompt-1", "p2"]
 
 
-@pytest.mark.skipif(not MT_BENCH.is_file(), reason=f"{MT_BENCH} is not here (set DRAFTLINE_SHARED_DATA)")
 def test_mt_bench_questions_as_they_are_become_a_prepared_data_set_of_two_replies_each(tiny, tmp_path, verifier):
     from draftline.data.prepare import build_data
 

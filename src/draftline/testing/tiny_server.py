@@ -81,7 +81,7 @@ class ServerState:
 def create_app(model_dir: str | Path, *, served_model_name: str | None = None, fail_every: int | None = None,
                fail_after: int | None = None, api_key: str | None = None, state: ServerState | None = None,
                hidden_states_dir: str | Path | None = None, aux_layer_ids: list[int] | None = None,
-               max_batch: int = 32, batch_wait_s: float = 0.02,
+               max_batch: int = 32, batch_wait_s: float = 0.1,
                speculative_drafter: str | Path | None = None, num_speculative_tokens: int = 3):
     """The FastAPI app serving ``model_dir`` (weights + tokenizer with a chat template) on the CPU;
     with ``api_key``, /v1 requests without ``Authorization: Bearer <api_key>`` get 401 (as vLLM's --api-key).
