@@ -159,3 +159,23 @@ def test_multi_node_launch_puts_no_credential_on_a_command_line(tmp_path, monkey
     assert "MLFLOW_TRACKING_URI" in json.dumps(pdsh)  # the runner does forward MLFLOW* variables ...
     for secret in ("s3cret-password", "s3cret-token", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
         assert secret not in everything  # ... but none of the credentials
+
+
+def test_a_corrupt_shard_stops_finetune_with_one_message_naming_it(workspace, prepared, tmp_path):
+    import shutil
+
+    data = shutil.copytree(prepared, tmp_path / "data")
+    shard = sorted(data.glob("shard-*.safetensors"))[-1]
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0xFF  # one byte of hidden state flipped after prepare
+    shard.write_bytes(bytes(raw))
+    t0 = time.monotonic()
+    r = subprocess.run(_draftline("finetune", "--data", data, "--init", "tiny", "--gpus", "2", "--steps", "3",
+                                  "--tokens-per-batch", "512", "--val-fraction", "0"), capture_output=True, text=True)
+    print(f"corrupt shard refused after {time.monotonic() - t0:.1f} s")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and f"shard {shard.name} in {data} does not match the sha256" in errors[0], errors
+    run = MlflowClient().search_runs([e.experiment_id for e in MlflowClient().search_experiments()])[0]
+    assert run.info.status == "FAILED"
