@@ -79,9 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:  # a stop (SIGTERM/SIGINT) after saving: not an error
         raise
     except BaseException as e:  # the launcher only sees exit codes: leave the message for the parent
-        if int(os.environ.get("RANK", "0")) == 0 or not error_file.exists():
-            from draftline.errors import DraftlineError
+        from draftline.errors import DraftlineError
 
+        # a user's error (e.g. a changed shard found by rank 1) is kept over the errors it causes in other ranks
+        kept = json.loads(error_file.read_text()) if error_file.exists() else {}
+        if not kept.get("draftline") and (isinstance(e, DraftlineError) or not kept
+                                          or int(os.environ.get("RANK", "0")) == 0):
             msg = str(e) if isinstance(e, DraftlineError) else "".join(traceback.format_exception(e))
             error_file.write_text(json.dumps({"type": type(e).__name__, "message": msg,
                                               "draftline": isinstance(e, DraftlineError)}))
