@@ -1,6 +1,6 @@
 """Run one benchmark, write ``benchmarks/results/<name>.json`` and print a short table.
 
-    python -m benchmarks.run train-step [--shape tiny|real] [--tokens N] [--iters N]
+    python -m benchmarks.run train-step [--shape tiny|real] [--tokens N] [--iters N] [--rounds N]
     python -m benchmarks.run parent-load [--shape real|tiny]
     python -m benchmarks.run warm-start
     python -m benchmarks.run plan                   (the Kimi-K2 drafter on 8 x 180 GiB, per ZeRO stage)
@@ -25,8 +25,12 @@ def _table(result: dict) -> str:
     rows = []
     for name, v in result.get("variants", {}).items():
         extra = f"  peak {v['peak_gpu_mem_gib']:.1f} GiB" if "peak_gpu_mem_gib" in v else ""
+        spread = ""
+        if "ratio_spread" in v and name != "bare":
+            lo, hi = v["ratio_spread"]
+            spread = f" ({lo:.2f}-{hi:.2f}{'' if v['distinguishable_from_bare'] else ', overlaps bare'})"
         rows.append(f"  {name:<8} {v['step_s_median'] * 1000:9.1f} ms/step  {v['tokens_per_s']:10.0f} tok/s  "
-                    f"x{v['ratio_to_bare']:.2f} bare{extra}")
+                    f"x{v['ratio_to_bare']:.2f} bare{spread}{extra}")
     for k, v in result.get("summary", {}).items():
         rows.append(f"  {k:<28} {v}")
     return "\n".join(rows)
@@ -39,12 +43,13 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default=None, choices=["tiny", "real"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="train-step: interleaved rounds (>= 3 for a spread)")
     args = ap.parse_args(argv)
     t0 = time.time()
     if args.name == "train-step":
         from benchmarks.train_step import run
 
-        result = run(shape=args.shape or "tiny", tokens=args.tokens, iters=args.iters)
+        result = run(shape=args.shape or "tiny", tokens=args.tokens, iters=args.iters, rounds=args.rounds)
     elif args.name == "warm-start":
         from benchmarks.warm_start import run
 

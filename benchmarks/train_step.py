@@ -1,4 +1,4 @@
-"""train-step: our DeepSpeed step (ZeRO 1, 2, 3) against a bare PyTorch AdamW step, side by side in one run.
+"""train-step: our DeepSpeed step (ZeRO 1, 2, 3) against a bare PyTorch AdamW step, interleaved in one run.
 
 Same ``Eagle3DraftModel`` (fresh copy per variant, same seed), same packed batch, same optimiser settings.
 One rank (in-process; gloo on the CPU, NCCL on a GPU). ``--shape real`` is the Kimi-K2 drafter (hidden 7168,
@@ -63,7 +63,12 @@ def _time(step, warmup: int, iters: int, sync) -> list[float]:
     return times
 
 
-def run(shape: str = "tiny", tokens: int = 512, iters: int = 8, warmup: int = 2, stages=(1, 2, 3)) -> dict:
+def run(shape: str = "tiny", tokens: int = 512, iters: int = 8, warmup: int = 2, stages=(1, 2, 3),
+        rounds: int = 3) -> dict:
+    """Every variant is built first; then ``rounds`` rounds each time ``iters`` steps of every variant, the order
+    rotated each round, so a busy machine slows all variants alike. Each round gives one ratio per variant
+    (its median step over bare's median step in that round); the result is the median ratio and its spread
+    over rounds, and a ratio whose spread includes 1.0 is reported as not distinguishable from bare."""
     import deepspeed
 
     from draftline.train.model import loss_config
@@ -78,25 +83,41 @@ def run(shape: str = "tiny", tokens: int = 512, iters: int = 8, warmup: int = 2,
     device = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     cfg, ttt = loss_config(), 3
-    variants = {"bare": None, **{f"zero{s}": s for s in stages}}
-    results = {}
-    for name, stage in variants.items():
+    names = ["bare", *(f"zero{s}" for s in stages)]
+    steps, peak = {}, {}
+    for name in names:
         torch.manual_seed(0)
         model = bench_model(shape, device)
         batch = fake_batch(model, tokens, device)
+        stage = None if name == "bare" else int(name[4:])
+        steps[name] = _bare_step(model, batch, ttt, cfg) if stage is None else _ds_step(model, batch, ttt, cfg, stage)
+        _time(steps[name], warmup, 0, sync)
+    times = {n: [] for n in names}
+    ratios = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        medians = {}
+        for name in order:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t = _time(steps[name], 0, iters, sync)
+            if cuda:
+                peak[name] = max(peak.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            times[name] += t
+            medians[name] = statistics.median(t)
+        for name in names:
+            ratios[name].append(medians[name] / medians["bare"])
+    results = {}
+    for name in names:
+        med = statistics.median(times[name])
+        lo, hi = min(ratios[name]), max(ratios[name])
+        results[name] = {"step_s_median": med, "step_s_all": times[name], "tokens_per_s": tokens / med,
+                         "ratio_to_bare": statistics.median(ratios[name]), "ratio_per_round": ratios[name],
+                         "ratio_spread": [lo, hi],
+                         "distinguishable_from_bare": name == "bare" or not (lo <= 1.0 <= hi)}
         if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        step = _bare_step(model, batch, ttt, cfg) if stage is None else _ds_step(model, batch, ttt, cfg, stage)
-        times = _time(step, warmup, iters, sync)
-        med = statistics.median(times)
-        results[name] = {"step_s_median": med, "step_s_all": times, "tokens_per_s": tokens / med}
-        if cuda:
-            results[name]["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        del model, step
-        if cuda:
-            torch.cuda.empty_cache()
-    base = results["bare"]["step_s_median"]
-    for name in results:
-        results[name]["ratio_to_bare"] = results[name]["step_s_median"] / base
-    return {"shape": shape, "device": str(device), "tokens_per_step": tokens, "iters": iters,
+            results[name]["peak_gpu_mem_gib"] = peak.get(name, 0.0)
+    return {"shape": shape, "device": str(device), "tokens_per_step": tokens, "iters": iters, "rounds": rounds,
+            "method": "variants interleaved, order rotated each round; ratio = median over rounds of the "
+                      "round's median step / bare's; spread = min..max over rounds",
             "targets": {"zero2": 1.10, "zero3": 1.25}, "variants": results}

@@ -158,6 +158,55 @@ def _hint(key: str) -> str:
     return ""
 
 
+def match_keys(header: dict[str, tuple[tuple[int, ...], str]], shapes: dict[str, tuple[int, ...]], *,
+               root: Path | str, rebuild: bool = False) -> tuple[dict[str, str], list[str]]:
+    """``({parent key: drafter key}, skipped parent keys)`` for a parent ``header`` against the drafter's
+    ``shapes`` (``{key: shape}``, e.g. of a model on the meta device); one :class:`CheckpointError` lists every
+    key that does not fit, with the shapes and the fix. ``rebuild`` (vocab=rebuild): ``d2t``/``t2d`` are not
+    taken from the parent and ``lm_head`` may have another row count (its rows are remapped), not another width.
+    """
+    layout = detect_layout(header)
+    problems: list[str] = []
+    mapped: dict[str, str] = {}
+    skipped: list[str] = []
+    for key, (shape, _dtype) in header.items():
+        target = to_model_key(key, layout)
+        if target in VERIFIER_OWNED or (rebuild and target in ("d2t", "t2d")):
+            skipped.append(key)
+            continue
+        if target not in shapes:
+            problems.append(f"{key}: unexpected key (no {target} in the drafter)")
+            continue
+        want = tuple(shapes[target])
+        if rebuild and target == "lm_head.weight":
+            if len(shape) != 2 or shape[1:] != want[1:]:
+                problems.append(f"{key}: parent {list(shape)}, model [*, {want[1]}] — parent trained for a "
+                                "verifier of another hidden size?")
+                continue
+        elif shape != want:
+            problems.append(f"{key}: parent {list(shape)}, model {list(want)}{_hint(target)}")
+            continue
+        mapped[key] = target
+    required = {k for k in shapes if k not in VERIFIER_OWNED}
+    if rebuild:
+        required -= {"d2t", "t2d"}
+    for missing in sorted(required - set(mapped.values())):
+        if missing not in {to_model_key(k, layout) for k in header}:
+            problems.append(f"{missing}: missing from the parent")
+    if problems:
+        raise CheckpointError(f"parent {root} does not fit the drafter ({len(problems)} problem"
+                              f"{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems)
+                              + "\nChoose a parent made for this verifier and draft vocabulary (vocab=rebuild "
+                              "for another vocabulary), or init=random")
+    return mapped, skipped
+
+
+def model_shapes(model) -> dict[str, tuple[int, ...]]:
+    """``{key: shape}`` of a drafter's weights (non-persistent buffers, e.g. rotary inv_freq, are not weights)."""
+    persistent = set(model.state_dict().keys())
+    return {k: tuple(t.shape) for k, t in [*model.named_parameters(), *model.named_buffers()] if k in persistent}
+
+
 def load_into_model(model, files: CheckpointFiles, *, lm_head_remap=None) -> LoadReport:
     """Copy every parent tensor into ``model`` (strict keys and shapes); verifier-owned keys are skipped.
 
@@ -169,35 +218,8 @@ def load_into_model(model, files: CheckpointFiles, *, lm_head_remap=None) -> Loa
     persistent = set(model.state_dict().keys())  # non-persistent buffers (rotary inv_freq) are not weights
     params = {k: t for k, t in [*model.named_parameters(), *model.named_buffers()] if k in persistent}
     report = LoadReport(layout=layout, key_remap=key_remap(layout))
-
-    problems: list[str] = []
-    mapped: dict[str, str] = {}
-    for key, (shape, _dtype) in header.items():
-        target = to_model_key(key, layout)
-        if target in VERIFIER_OWNED:
-            report.skipped.append(key)
-            continue
-        if lm_head_remap is not None and target in ("d2t", "t2d"):
-            report.skipped.append(key)
-            continue
-        if target not in params:
-            problems.append(f"{key}: unexpected key (no {target} in the drafter)")
-            continue
-        want = tuple(params[target].shape)
-        if shape != want and not (lm_head_remap is not None and target == "lm_head.weight"):
-            problems.append(f"{key}: parent {list(shape)}, model {list(want)}{_hint(target)}")
-            continue
-        mapped[key] = target
-    required = {k for k in params if k not in VERIFIER_OWNED}
-    if lm_head_remap is not None:
-        required -= {"d2t", "t2d"}
-    for missing in sorted(required - set(mapped.values())):
-        if not any(p.startswith(missing + ":") for p in problems) and missing not in {
-                to_model_key(k, layout) for k in header}:
-            problems.append(f"{missing}: missing from the parent")
-    if problems:
-        raise CheckpointError(f"parent {files.root} does not fit the drafter ({len(problems)} problem"
-                              f"{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems))
+    mapped, report.skipped = match_keys(header, model_shapes(model), root=files.root,
+                                        rebuild=lm_head_remap is not None)
 
     with torch.no_grad():
         for key, get, _, _ in _iter_tensors(files):

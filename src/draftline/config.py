@@ -115,6 +115,8 @@ class FinetuneConfig(_Strict):
     allow_pickle: bool = Field(False, description="Allow a pickle-only parent (loaded with weights_only=True).")
     attn_impl: Literal["sdpa", "eager", "simple_flex_attention"] = Field(
         "sdpa", description="Draft attention (flex attention needs a GPU).")
+    verify_data: bool = Field(False, description="Check every shard's sha256 before launch (a full pass; "
+                              "otherwise each shard is checked once while training reads it).")
 
 
 class ExportConfig(_Strict):

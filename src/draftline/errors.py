@@ -54,3 +54,12 @@ class TrainingError(DraftlineError):
 class DiskFullError(DraftlineError):
     """Raised when a write fails for want of room: no space left (ENOSPC), a disk quota (EDQUOT), or a file
     larger than the process's file size limit or the file system allows (EFBIG)."""
+
+
+class Interrupted(DraftlineError):
+    """Raised when SIGTERM or SIGINT stopped a stage; the run ends KILLED and the message says how to resume.
+    ``exit_code`` is the shell's for the signal (143 for SIGTERM, 130 for SIGINT)."""
+
+    def __init__(self, message: str, signum: int = 15):
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -311,6 +311,9 @@ def run(cfg: ExportConfig) -> dict[str, str]:
             if cfg.layout == "midlayer":
                 with _room_in_tmp(tmp / "midlayer"):
                     write_midlayer(model, tmp / "midlayer", params)
+                from draftline.export_midlayer import check_reload  # init=<that dir> gives these weights
+
+                check_reload(model, tmp / "midlayer", local_verifier(params))
                 with _room_in_store(f"{active.info.artifact_uri}/midlayer"):
                     mlflow.log_artifacts(str(tmp / "midlayer"), artifact_path="midlayer")
             last = int(params.get("train.steps", 0))

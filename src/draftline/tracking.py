@@ -85,11 +85,49 @@ def stage_run(step: str, run_name: str | None = None, tags: dict[str, str] | Non
     mlflow.set_tags({"draftline.step": step, **(tags or {})})
     try:
         yield run
-    except BaseException:
-        mlflow.end_run(status="FAILED")
+    except BaseException as e:
+        from draftline.errors import Interrupted
+
+        end_run("KILLED" if isinstance(e, (Interrupted, KeyboardInterrupt)) else "FAILED")
         raise
     else:
-        mlflow.end_run(status="FINISHED")
+        end_run("FINISHED")
+
+
+def end_run(status: str, wait_s: float | None = None) -> None:
+    """End the active run with ``status``; a tracking server that is away is retried for up to ``wait_s``
+    (``DRAFTLINE_TRACKING_WAIT_S``, default 600 s), so an outage at the end does not leave the run RUNNING."""
+    import sys
+    import time
+
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.tracking import fluent
+
+    run = mlflow.active_run()
+    if run is None:
+        return
+    run_id = run.info.run_id
+    try:
+        mlflow.end_run(status=status)  # pops the run, then tells the server
+        return
+    except Exception:  # noqa: BLE001 (the server is away: the run is popped; keep telling it)
+        with contextlib.suppress(Exception):
+            fluent.run_id_to_system_metrics_monitor.pop(run_id).finish()
+    wait_s = float(os.environ.get("DRAFTLINE_TRACKING_WAIT_S", "600")) if wait_s is None else wait_s
+    deadline, delay = time.monotonic() + wait_s, 1.0
+    print(f"[draftline] the tracking server is unreachable; retrying to mark run {run_id} {status} for up to "
+          f"{wait_s:.0f} s", file=sys.stderr)
+    while time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(delay * 2, 15.0)
+        try:
+            MlflowClient().set_terminated(run_id, status)
+            return
+        except Exception:  # noqa: BLE001
+            continue
+    print(f"[draftline] could not mark run {run_id} {status}: {tracking_uri()} stayed unreachable; mark it with "
+          f"`mlflow runs` or resume it", file=sys.stderr)
 
 
 def log_params_once(params: dict[str, object], run_id: str | None = None) -> None:

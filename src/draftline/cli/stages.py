@@ -1,4 +1,5 @@
-"""The pipeline's commands: make-tiny, make-verifier, prepare, finetune, evaluate, export, main, plan, inspect."""
+"""The pipeline's commands: make-tiny, make-verifier, prepare, finetune, evaluate, export, main, plan, inspect,
+verify-data."""
 
 from __future__ import annotations
 
@@ -115,6 +116,17 @@ def main_cmd(conversations, verifier, init, registered_model, overrides, no_cach
         extra.setdefault(step, {})[name] = value
     _result(run_main, conversations=conversations, verifier=verifier, init=init,
             registered_model=registered_model, extra=extra, use_cache=not no_cache)
+
+
+@cli.command("verify-data")
+@click.argument("data_dir", type=click.Path(exists=True, file_okay=False))
+def verify_data(data_dir):
+    """Check every shard of prepared data against its manifest's sha256 (a full pass; finetune otherwise checks
+    each shard once while it trains)."""
+    from draftline.data.shards import open_prepared
+    from draftline.data.verify import verify_all
+
+    _result(lambda: verify_all(open_prepared(Path(data_dir))))
 
 
 @cli.command()

@@ -13,12 +13,13 @@ from draftline.util import free_port
 
 
 def start_mlflow_server(root: Path, extra: list[str] = (), env: dict | None = None,
-                        timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
-    """Start ``mlflow server`` storing everything under ``root``; returns ``(process, tracking URI)``."""
+                        timeout_s: float = 120, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``mlflow server`` storing everything under ``root`` (on ``port``, else a free one; the same root and
+    port restart the same server); returns ``(process, tracking URI)``."""
     import httpx
 
     root.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     uri = f"http://127.0.0.1:{port}"
     log = open(root / "server.log", "wb")  # noqa: SIM115 (the server writes it for its whole life)
     proc = subprocess.Popen(

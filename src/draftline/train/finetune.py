@@ -218,13 +218,15 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
 
     tracking.setup()
     ranks, on_cpu = resolve_ranks(cfg.gpus)
-    with tracking.stage_run("finetune", run_name=f"finetune-{cfg.init}", run_id=resume_run,
-                            system_metrics=True) as active:
+    from draftline.train.signals import stop_on_signals
+
+    with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune-{cfg.init}", run_id=resume_run,
+                                               system_metrics=True) as active:
         run_id = active.info.run_id
         work = work_dir() / run_id
         work.mkdir(parents=True, exist_ok=True)
         data_run_id = tracking.parse_run_ref(cfg.data)[0] if cfg.data.startswith("runs:/") else None
-        data = open_prepared(resolve_data(cfg.data, work / "data"), verify=True)
+        data = open_prepared(resolve_data(cfg.data, work / "data"), verify=cfg.verify_data)
         manifest = data.manifest
         eval_data = open_prepared(resolve_data(cfg.eval_data, work / "eval_data"), verify=True) \
             if cfg.eval_data else None
@@ -239,7 +241,6 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             layout = detect_layout(header)
             check_parent_fits_data(parent.name, header, manifest)
             remap = key_remap(layout)
-            sha = sha256_files(files.weights)
             p_aux = aux_layer_ids(files.config)
             if p_aux and p_aux != manifest["aux_layer_ids"]:
                 raise DataError(f"parent {parent.name} reads aux layers {p_aux} but the data has "
@@ -247,6 +248,12 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
                                 f"{','.join(map(str, p_aux))}")
         vocab, counts = choose_vocab(cfg, files, data, manifest["vocab_size"])
         layer = layer_config(manifest["verifier"], files.config if files else None)
+        from draftline.train.preflight import preflight  # every check a rank would make, before hashing/launch
+
+        preflight(verifier=manifest["verifier"], layer=layer, manifest=manifest, vocab=vocab,
+                  parent_files=files, header=header if files else None, vocab_policy=cfg.vocab)
+        if files:
+            sha = sha256_files(files.weights)
         vocab_file = work / "vocab.safetensors"
         save_file({"d2t": vocab["d2t"].contiguous(), "t2d": vocab["t2d"].contiguous()}, str(vocab_file))
 
@@ -301,7 +308,8 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             save_every=cfg.save_every, log_every=cfg.log_every, attn_impl=cfg.attn_impl,
             val_fraction=cfg.val_fraction, val_every=cfg.val_every, ds_config=conf, checkpoint_dir=str(ckpt_dir),
             eval_data_dir=str(eval_data.root) if eval_data is not None else None,
-            load_report=str(work / "parent_load_report.json"), error_file=str(work / "rank_error.json"))
+            load_report=str(work / "parent_load_report.json"), error_file=str(work / "rank_error.json"),
+            stop_file=str(work / "stop"), metrics_file=str(work / "metrics.jsonl"))
         (ckpt_dir / LAYER_FILE).write_text(json.dumps(layer, indent=2, sort_keys=True) + "\n")  # export reads it
         record_plan(cfg, ranks, on_cpu, manifest["verifier"], counts["draft_size"], manifest["aux_layer_ids"],
                     run_id, layer)  # prints one line, logs plan.json and plan.fits

@@ -7,9 +7,11 @@ the rank count is always passed explicitly (the launcher counts one CPU "device"
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -71,21 +73,58 @@ def command(spec_path: Path, ranks: int, hostfile: str | None, port: int) -> lis
     return cmd
 
 
-def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostfile: str | None = None) -> None:
-    """Run the ranks to completion; a failing rank's message is raised here (a DraftlineError stays one)."""
-    spec.write(spec_path)
-    error_file = Path(spec.error_file)
-    error_file.unlink(missing_ok=True)
-    env = dict(os.environ)
+# Credentials stay with the launching process (the only one that talks to MLflow): DeepSpeed's multi-node
+# launcher would otherwise put every MLFLOW* variable on the pdsh/ssh command line of every node.
+CREDENTIALS = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME",
+               "MLFLOW_TRACKING_CLIENT_CERT_PATH", "MLFLOW_TRACKING_SERVER_CERT_PATH")
+
+
+def rank_env(ranks: int, on_cpu: bool) -> dict[str, str]:
+    """The environment DeepSpeed's launcher and the ranks get: ours, without tracking credentials."""
+    env = {k: v for k, v in os.environ.items() if k not in CREDENTIALS}
     if on_cpu:
         env["DS_ACCELERATOR"] = "cpu"
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostfile: str | None = None) -> None:
+    """Run the ranks to completion; a failing rank's message is raised here (a DraftlineError stays one).
+
+    DeepSpeed's launcher runs in its own session: SIGTERM/SIGINT reach this process, which asks the ranks to
+    save and stop (:mod:`draftline.train.signals`) and raises :class:`Interrupted` with the resume command.
+    Rank output goes to ``ranks.log`` beside the spec, stderr shows it without tracebacks
+    (:mod:`draftline.train.rank_output`); rank 0's metrics reach MLflow through :mod:`metrics_relay`.
+    """
+    from draftline.train.metrics_relay import Relay
+    from draftline.train.rank_output import RankOutput
+    from draftline.train.signals import Stopper, resume_hint
+
+    spec.write(spec_path)
+    error_file = Path(spec.error_file)
+    error_file.unlink(missing_ok=True)
+    log = spec_path.with_name("ranks.log")
+    out = RankOutput(log)
+    relay = Relay(spec.metrics_file, spec.run_id) if spec.metrics_file and spec.run_id else contextlib.nullcontext()
     # rank output is streamed to stderr: stdout carries only the command's result
-    with subprocess.Popen(command(spec_path, ranks, hostfile, free_port()), env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, errors="replace") as proc:
+    with relay, subprocess.Popen(command(spec_path, ranks, hostfile, free_port()), env=rank_env(ranks, on_cpu),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                 start_new_session=True) as proc, \
+            Stopper(proc, Path(spec.stop_file or spec_path.with_name("stop"))) as stopper:
         for line in proc.stdout:
-            sys.stderr.write(line)
+            out.write(line)
+        proc.wait()
+    out.close()
+    if stopper.signum is not None:
+        from draftline.errors import Interrupted
+
+        latest = Path(spec.checkpoint_dir) / "latest"
+        saved = f"checkpoint {latest.read_text().strip()} saved in {latest.parent}" if latest.is_file() else \
+            "no checkpoint was saved yet"
+        name = signal.Signals(stopper.signum).name
+        raise Interrupted(f"finetune stopped by {name} ({saved}); resume it with: {resume_hint(spec.run_id)}",
+                          stopper.signum)
     if proc.returncode == 0:
         return
     if error_file.is_file():
@@ -95,5 +134,6 @@ def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostf
 
             cls = getattr(errors, err["type"], DraftlineError)
             raise cls(err["message"])
-        raise TrainingError(f"a training rank failed:\n{err['message']}")
-    raise TrainingError(f"the DeepSpeed launcher exited with {proc.returncode}; see the rank output above")
+        raise TrainingError(f"a training rank failed:\n{err['message']}\n(all rank output: {log})")
+    raise TrainingError(f"the DeepSpeed launcher exited with {proc.returncode}; all rank output is in {log} "
+                        "(DRAFTLINE_VERBOSE=1 shows it here)")

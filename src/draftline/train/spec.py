@@ -37,6 +37,10 @@ class WorkerSpec(BaseModel):
     checkpoint_dir: str
     load_report: str = Field(description="Where rank 0 writes the parent-load report (JSON).")
     error_file: str = Field(description="Where a failing rank leaves its message for the launcher.")
+    stop_file: str | None = Field(None, description="Written by the launching process to ask the ranks to save "
+                                  "and stop (train.signals).")
+    metrics_file: str | None = Field(None, description="Where rank 0 appends its metrics (JSONL); the launching "
+                                     "process relays them to MLflow (train.metrics_relay).")
 
     def write(self, path: Path) -> Path:
         path.write_text(self.model_dump_json(indent=2))

@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 import traceback
@@ -77,10 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     error_file = Path(spec.error_file)
     try:
         train(spec)
+    except SystemExit:  # a stop (SIGTERM/SIGINT) after saving: not an error
+        raise
     except BaseException as e:  # the launcher only sees exit codes: leave the message for the parent
-        if int(os.environ.get("RANK", "0")) == 0 or not error_file.exists():
-            from draftline.errors import DraftlineError
+        from draftline.errors import DraftlineError
 
+        # a user's error (e.g. a changed shard found by rank 1) is kept over the errors it causes in other ranks
+        kept = json.loads(error_file.read_text()) if error_file.exists() else {}
+        if not kept.get("draftline") and (isinstance(e, DraftlineError) or not kept
+                                          or int(os.environ.get("RANK", "0")) == 0):
             msg = str(e) if isinstance(e, DraftlineError) else "".join(traceback.format_exception(e))
             error_file.write_text(json.dumps({"type": type(e).__name__, "message": msg,
                                               "draftline": isinstance(e, DraftlineError)}))
@@ -94,8 +98,10 @@ def train(spec: WorkerSpec) -> None:
 
     from draftline.checkpoints import find_checkpoint, load_into_model
     from draftline.data.shards import open_prepared
+    from draftline.data.verify import ShardVerifier
     from draftline.handoff import BEST_TAG, read_best, write_best
     from draftline.train.batches import batches, prefetch
+    from draftline.train.metrics_relay import MetricsFile
     from draftline.train.model import (
         accumulate,
         build_draft_model,
@@ -105,6 +111,7 @@ def train(spec: WorkerSpec) -> None:
         summarise,
         trainable_parameters,
     )
+    from draftline.train.signals import install_rank_handlers, stop_requested
 
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
@@ -118,7 +125,8 @@ def train(spec: WorkerSpec) -> None:
 
     # data: every rank memory-maps the same shards and takes its own batches
     data = open_prepared(Path(spec.data_dir))
-    if spec.eval_data_dir:  # a fixed evaluation set: every training sample trains
+    shards = ShardVerifier(data, rank, world).start()  # each shard's sha256 once, while training
+    if spec.eval_data_dir:  # a fixed evaluation set (checked whole before launch): every training sample trains
         records, val_records = data.records(), open_prepared(Path(spec.eval_data_dir)).records()
     else:
         records, val_records = split_validation(data.records(), spec.val_fraction)
@@ -159,9 +167,9 @@ def train(spec: WorkerSpec) -> None:
             print(f"[draftline] resumed from {ckpt_dir} at step {start_step}", flush=True)
 
     best = read_best(ckpt_dir)
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
-    client = MlflowClient() if rank == 0 and spec.run_id else None
+    stop = install_rank_handlers()  # SIGTERM/SIGINT, or the launcher's stop file: save, then exit
+    client = (MetricsFile(spec.metrics_file) if spec.metrics_file else MlflowClient()) \
+        if rank == 0 and spec.run_id else None  # metrics go through a file the launching process relays
     cfg = loss_config()
     steps, ttt = spec.steps, spec.ttt_steps
     stream = batches(records, spec.tokens_per_batch, seed=spec.seed, rank=rank, world_size=world,
@@ -208,6 +216,11 @@ def train(spec: WorkerSpec) -> None:
                 if rank == 0:
                     write_best(ckpt_dir, best)
             engine.train()
+        if step == steps:
+            shards.finish()  # a run does not end successfully before every shard was checked
+        else:
+            shards.check()
+        stop["now"] = stop_requested(stop["now"], spec.stop_file)  # all ranks agree on the step to stop at
         if step % spec.save_every == 0 or step == steps or stop["now"]:
             engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
             if rank == 0:  # keep the newest checkpoint (and the best) only; save_checkpoint ends with a barrier
@@ -216,7 +229,7 @@ def train(spec: WorkerSpec) -> None:
                         shutil.rmtree(old, ignore_errors=True)
         if stop["now"]:
             if rank == 0:
-                print(f"[draftline] SIGTERM: saved step {step}; rerun the same run to resume", flush=True)
+                print(f"[draftline] stop requested: saved step {step}", flush=True)
             sys.exit(143)
 
 
