@@ -10,7 +10,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from draftline.errors import DataError, TrackingError
+from draftline.errors import DataError, ServerUnavailable, TrackingError
 
 EXPERIMENT_ENV = "DRAFTLINE_EXPERIMENT"
 DEFAULT_EXPERIMENT = "draftline"
@@ -61,7 +61,7 @@ def check_reachable(uri: str) -> None:
     try:
         httpx.get(uri.rstrip("/") + "/health", timeout=10.0)
     except httpx.HTTPError as e:
-        raise TrackingError(
+        raise ServerUnavailable(
             f"the MLflow tracking server at {uri} is unreachable ({type(e).__name__}). Start it, or point "
             "MLFLOW_TRACKING_URI at a running server (unset it to use the local sqlite store)"
         ) from None
