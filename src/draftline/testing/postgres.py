@@ -61,7 +61,9 @@ def _account() -> pwd.struct_passwd | None:
 
 @dataclass
 class Postgres:
-    """A running cluster: ``uri(db)`` names a database on it (SQLAlchemy form, psycopg 3 driver)."""
+    """A running cluster: ``uri(db)`` names a database on it (SQLAlchemy form, psycopg2 driver: MLflow 3.17's
+    registry fails on psycopg 3, whose typed binds PostgreSQL refuses to compare with the integer version
+    column, e.g. in ``transition_model_version_stage(..., archive_existing_versions=True)``)."""
 
     data: Path
     port: int
@@ -69,7 +71,7 @@ class Postgres:
     account: pwd.struct_passwd | None
 
     def uri(self, database: str) -> str:
-        return f"postgresql+psycopg://{USER}:{PASSWORD}@127.0.0.1:{self.port}/{database}"
+        return f"postgresql+psycopg2://{USER}:{PASSWORD}@127.0.0.1:{self.port}/{database}"
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         kw = {"user": self.account.pw_uid, "group": self.account.pw_gid, "extra_groups": []} if self.account else {}
@@ -78,11 +80,15 @@ class Postgres:
 
     def create_database(self, name: str) -> str:
         """Create database ``name`` (owned by ``mlflow``) and return its URI."""
-        import psycopg
+        import psycopg2
 
-        with psycopg.connect(host="127.0.0.1", port=self.port, user=USER, password=PASSWORD, dbname="postgres",
-                             autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
+        conn = psycopg2.connect(host="127.0.0.1", port=self.port, user=USER, password=PASSWORD, dbname="postgres")
+        try:
+            conn.autocommit = True
+            with conn.cursor() as cur:
+                cur.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            conn.close()
         return self.uri(name)
 
     def stop(self) -> None:
