@@ -8,6 +8,7 @@
     python -m benchmarks.run data
     python -m benchmarks.run regenerate             (tiny server: batched vs one request at a time)
     python -m benchmarks.run evaluation             (measured vs teacher-forced acceptance, tiny verifier)
+    python -m benchmarks.run fleet [--pullers 1,8,32]   (pulls by stage while Production moves; PostgreSQL)
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ def _table(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan", "data",
-                                         "regenerate", "evaluation"])
+                                         "regenerate", "evaluation", "fleet"])
     ap.add_argument("--shape", default=None, choices=["tiny", "real"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="train-step: interleaved rounds (>= 3 for a spread)")
+    ap.add_argument("--pullers", default="1,8,32", help="fleet: concurrent pullers per round")
     args = ap.parse_args(argv)
     t0 = time.time()
     if args.name == "train-step":
@@ -70,6 +72,10 @@ def main(argv=None) -> int:
         from benchmarks.regenerate import run
 
         result = run()
+    elif args.name == "fleet":
+        from benchmarks.fleet import run
+
+        result = run(counts=[int(x) for x in args.pullers.split(",")])
     elif args.name == "registry":
         from benchmarks.registry import run
 

@@ -90,8 +90,11 @@ def workspace(tmp_path, monkeypatch, tiny):
     yield tmp_path
 
 
+from draftline.testing.localserver import basic_auth as _basic_auth  # noqa: E402
 from draftline.testing.localserver import start_mlflow_server as _start_server  # noqa: E402
 from draftline.testing.localserver import stop as _stop  # noqa: E402
+
+ADMIN = ("admin", "admin-password-for-tests-1")
 
 
 @pytest.fixture(scope="session")
@@ -101,33 +104,70 @@ def mlflow_server(tmp_path_factory):
     _stop(proc)
 
 
-@pytest.fixture(params=["sqlite", "server"])
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL cluster of its own (``initdb`` + ``pg_ctl`` in a temporary folder, loopback port). Skipped
+    with the reason where the server is not installed, unless DRAFTLINE_REQUIRE_POSTGRES=1 (.ci/run sets it
+    once it has installed PostgreSQL): then its absence fails the run."""
+    from draftline.testing.postgres import PostgresUnavailable, start_postgres
+
+    try:
+        pg = start_postgres()
+    except PostgresUnavailable as e:
+        if os.environ.get("DRAFTLINE_REQUIRE_POSTGRES") == "1":
+            raise
+        pytest.skip(f"PostgreSQL: {e}")
+    yield pg
+    pg.stop()
+
+
+@pytest.fixture(scope="session")
+def team_server(postgres, tmp_path_factory):
+    """The README's team setup: ``mlflow server`` on PostgreSQL (runs, registry, and the basic-auth users
+    too), proxied artifacts, ``--app-name basic-auth`` with default permission READ; two workers."""
+    root = tmp_path_factory.mktemp("mlflow-team")
+    extra, env = _basic_auth(root, ADMIN, postgres.create_database("mlflow_auth"))
+    proc, uri = _start_server(root, extra, env, backend_store_uri=postgres.create_database("mlflow"), workers=2,
+                              timeout_s=300)
+    yield uri
+    _stop(proc)
+
+
+def as_admin(monkeypatch, uri: str) -> str:
+    """Point MLflow (this process and its children) at ``uri`` as the basic-auth admin."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN[0])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", ADMIN[1])
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
+@pytest.fixture(params=["sqlite", "server", pytest.param("postgres", marks=pytest.mark.integration)])
 def store(request, workspace, monkeypatch):
-    """The registry on the embedded sqlite store, then on a real `mlflow server` on loopback."""
+    """The registry on the embedded sqlite store, on a real `mlflow server` on loopback (sqlite), and on the
+    team setup (`mlflow server` on PostgreSQL with basic-auth, as its admin; an integration test: it starts
+    PostgreSQL)."""
     if request.param == "server":
         uri = request.getfixturevalue("mlflow_server")
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
         import mlflow
 
         mlflow.set_tracking_uri(uri)
+    elif request.param == "postgres":
+        as_admin(monkeypatch, request.getfixturevalue("team_server"))
+    if request.param != "sqlite":
         monkeypatch.setenv("DRAFTLINE_EXPERIMENT", f"promote-{request.node.name}")
     return request.param
 
 
-ADMIN = ("admin", "admin-password-for-tests-1")
-
-
 @pytest.fixture(scope="session")
 def auth_server(tmp_path_factory):
-    """``mlflow server --app-name basic-auth``: users and permissions; default permission READ."""
+    """``mlflow server --app-name basic-auth`` on sqlite: users and permissions; default permission READ."""
     root = tmp_path_factory.mktemp("mlflow-auth")
-    ini = root / "auth.ini"
-    ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root / 'auth.db'}\n"
-                   f"admin_username = {ADMIN[0]}\nadmin_password = {ADMIN[1]}\n"
-                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-    proc, uri = _start_server(root, ["--app-name", "basic-auth"],
-                              env={"MLFLOW_AUTH_CONFIG_PATH": str(ini),
-                                   "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-secret-key"})
+    extra, env = _basic_auth(root, ADMIN)
+    proc, uri = _start_server(root, extra, env)
     yield uri
     _stop(proc)
 

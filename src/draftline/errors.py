@@ -39,6 +39,13 @@ class TrackingError(DraftlineError):
     """Raised when the MLflow tracking server cannot be reached or refuses a request."""
 
 
+class ServerUnavailable(TrackingError):
+    """Raised when the tracking server cannot be reached, or stopped answering and did not come back while
+    the command retried (exit 75, EX_TEMPFAIL: the same command may well succeed later)."""
+
+    exit_code = 75
+
+
 class RegistryError(DraftlineError):
     """Raised when a registered model, version, stage or alias does not exist or cannot be changed."""
 

@@ -16,11 +16,13 @@ import os
 import random
 import socket
 import time
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
-from draftline.errors import RegistryError
+from draftline.errors import DraftlineError, RegistryError
 from draftline.registry import denied, mlflow_error, resolve_version
+from draftline.retry import retrying, unavailable
 
 log = logging.getLogger(__name__)
 ALIASES = {"Production": "production", "Staging": "staging"}
@@ -36,6 +38,8 @@ def _get_version(client, name: str, version: str):
     try:
         return client.get_model_version(name, str(version))
     except Exception as e:  # noqa: BLE001
+        if unavailable(e):
+            raise
         raise RegistryError(f"models:/{name}/{version} does not exist: {mlflow_error(e)}") from None
 
 
@@ -44,6 +48,8 @@ def holders(client, name: str) -> dict[str, str | None]:
     try:
         aliases = client.get_registered_model(name).aliases or {}
     except Exception as e:  # noqa: BLE001
+        if unavailable(e):
+            raise
         raise RegistryError(f"registered model {name} does not exist: {mlflow_error(e)}") from None
     return {stage: (str(aliases[alias]) if alias in aliases else None) for stage, alias in ALIASES.items()}
 
@@ -94,15 +100,18 @@ def _stale(tags: dict) -> bool:
 
 
 @contextlib.contextmanager
-def promotion_lock(client, name: str, timeout_s: float = 120.0):
+def promotion_lock(client, name: str, timeout_s: float = 120.0, token: str | None = None):
     """Serialise changes to ``name``'s stages: creating the registered model ``<name>--draftline-promotion-lock``
     succeeds for exactly one promoter at a time, and it is deleted when the change ends. A lock left by a
-    killed promoter is taken over once stale (its process is gone, or it is older than STALE_LOCK_S)."""
+    killed promoter is taken over once stale (its process is gone, or it is older than STALE_LOCK_S); one
+    carrying our own ``token`` is ours (an earlier try of this change that the server dropped, or whose reply
+    was lost) and is simply kept."""
     lock = name + LOCK_SUFFIX
+    token = token or uuid.uuid4().hex
     deadline, delay = time.monotonic() + timeout_s, 0.05
     while True:
         try:
-            client.create_registered_model(lock, tags={"owner": _owner(), "since": _now()},
+            client.create_registered_model(lock, tags={"owner": _owner(), "since": _now(), "token": token},
                                            description=f"draftline: a promotion of {name} is in progress")
             break
         except Exception as e:  # noqa: BLE001
@@ -110,6 +119,8 @@ def promotion_lock(client, name: str, timeout_s: float = 120.0):
                 raise
             with contextlib.suppress(Exception):
                 held = client.get_registered_model(lock).tags
+                if held.get("token") == token:
+                    break
                 if _stale(held):
                     log.warning("taking over a stale promotion lock of %s (held by %s since %s)", name,
                                 held.get("owner"), held.get("since"))
@@ -141,11 +152,15 @@ def _move(client, name: str, version: str, stage: str, tags: dict[str, str], *, 
 
 
 def _guarded(what: str, name: str, fn):
+    """``fn()`` (one whole change, under the lock), tried again while the server is unavailable; MLflow's
+    failures become one message."""
     try:
-        return fn()
-    except RegistryError:
+        return retrying(what, fn)
+    except DraftlineError:
         raise
     except Exception as e:  # noqa: BLE001
+        if unavailable(e):  # cannot happen (retrying turns it into ServerUnavailable); kept for clarity
+            raise
         if denied(e):
             user = os.environ.get("MLFLOW_TRACKING_USERNAME", "this user")
             raise RegistryError(f"permission denied: {user} may read {name} but not change its stages; ask an "
@@ -205,12 +220,15 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
                    f"dry run: models:/{name}/{version} would move to {stage}; nothing changed")
         return {"results": results, "version": version, "stage": stage, "changed": False, "message": message}
 
+    token, tried = uuid.uuid4().hex, []  # one lock token for every try; ``tried``: a try began writing
+
     def change():
-        with promotion_lock(client, name):
-            truth = sync_stages(client, name)
+        with promotion_lock(client, name, token=token):
+            truth = sync_stages(client, name)  # also finishes what a cut-off earlier try had begun
             results = check(truth)  # against the holder as it is now, with no other promotion in between
             if truth[stage] == version:
-                return results, False
+                return results, bool(tried)
+            tried.append(True)
             key = stage.lower()
             tags = {f"promoted.{key}.by": getpass.getuser(), f"promoted.{key}.at": _now(),
                     f"promoted.{key}.policy": policy_file.name,
@@ -245,9 +263,13 @@ def rollback(client, name: str, *, to: str | None = None, reason: str, policy_fi
         "min_metrics": {k: v for k, v in policy.min_metrics.items() if not k.startswith("eval/")},
         "not_worse_than_parent": None if parent_rule and parent_rule.metric.startswith("eval/") else parent_rule})
 
+    token, tried = uuid.uuid4().hex, {}  # one lock token for every try; ``tried``: what a try began to write
+
     def change():
-        with promotion_lock(client, name):
-            truth = sync_stages(client, name)
+        with promotion_lock(client, name, token=token):
+            truth = sync_stages(client, name)  # also finishes what a cut-off earlier try had begun
+            if tried and truth["Production"] == tried["to"]:  # an earlier try got through before the cut
+                return tried["results"], tried["to"], tried["from"]
             current = truth["Production"]
             if current is None:
                 raise RegistryError(f"no version of {name} is in Production: nothing to roll back; promote one")
@@ -267,6 +289,7 @@ def rollback(client, name: str, *, to: str | None = None, reason: str, policy_fi
             tags = {"rolled_back.by": getpass.getuser(), "rolled_back.at": _now(), "rolled_back.reason": reason,
                     "rolled_back.from": current, "promoted.production.previous": current}
             vacate = next((s for s, v in truth.items() if v == str(mv.version) and s != "Production"), None)
+            tried.update(to=str(mv.version), results=results, **{"from": current})
             _move(client, name, str(mv.version), "Production", tags, vacate=vacate)
             sync_stages(client, name)
             return results, str(mv.version), current

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from draftline.errors import RegistryError, VerificationError
+from draftline.retry import retrying, unavailable
 
 log = logging.getLogger(__name__)
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/@]+)|@(?P<alias>[^/@]+))/?$")
@@ -43,6 +44,8 @@ def resolve_version(client, uri: str):
         stage = ref.capitalize()
         latest = client.get_latest_versions(name, stages=[stage])
     except Exception as e:  # noqa: BLE001
+        if unavailable(e):
+            raise
         raise RegistryError(f"{uri} does not resolve: {mlflow_error(e)}") from None
     if not latest:
         raise RegistryError(f"{uri} does not resolve: no version of {name} is in stage {stage}")
@@ -114,13 +117,16 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
         raise RegistryError("pass exactly one of --stage, --alias or --version")
     uri = f"models:/{name}/{stage.capitalize()}" if stage else f"models:/{name}@{alias}" if alias else \
         f"models:/{name}/{version}"
-    _, mv = resolve_version(client, uri)
+    # the version is resolved once: every file below comes from that one version, whatever moves meanwhile
+    _, mv = retrying(f"resolve {uri}", lambda: resolve_version(client, uri))
     want = mv.tags.get("verifier.name_or_path")
     if verifier and verifier != want:  # before anything is downloaded: DEST stays as it was
         raise VerificationError(f"models:/{name}/{mv.version} was trained for verifier {want}, not {verifier}; "
                                 "nothing was downloaded")
     local = Path(dest)
-    stats = fetch_directory(client.get_model_version_download_uri(name, mv.version), local,
+    source = retrying(f"locate the files of models:/{name}/{mv.version}",
+                      lambda: client.get_model_version_download_uri(name, mv.version))
+    stats = fetch_directory(source, local,
                             cache=BlobCache() if use_cache else None,
                             manifest_digest=mv.tags.get("export.sha256"))
     config = json.loads((local / "config.json").read_text())

@@ -10,7 +10,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from draftline.errors import DataError, TrackingError
+from draftline.errors import DataError, ServerUnavailable, TrackingError
 
 EXPERIMENT_ENV = "DRAFTLINE_EXPERIMENT"
 DEFAULT_EXPERIMENT = "draftline"
@@ -24,8 +24,9 @@ def tracking_uri() -> str:
     return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
 
 
-def setup(experiment: str | None = None) -> str:
-    """Point MLflow at the tracking store, check it answers, select the experiment. Returns the URI."""
+def setup(experiment: str | None = None, *, select_experiment: bool = True) -> str:
+    """Point MLflow at the tracking store, check it answers, select the experiment (not for the registry's
+    commands: a deployment that only pulls needs no experiment, nor the right to create one). Returns the URI."""
     import warnings
 
     import mlflow
@@ -38,16 +39,24 @@ def setup(experiment: str | None = None) -> str:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     check_reachable(uri)
-    if os.environ.get("MLFLOW_RUN_ID"):  # under `mlflow run`: the run (and its experiment) already exist
+    if not select_experiment or os.environ.get("MLFLOW_RUN_ID"):  # under `mlflow run`: the run exists
         return uri
     try:
         if os.environ.get("MLFLOW_EXPERIMENT_ID"):  # set by a parent process (e.g. `draftline main`)
             mlflow.set_experiment(experiment_id=os.environ["MLFLOW_EXPERIMENT_ID"])
         else:
-            exp = mlflow.set_experiment(experiment or os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT))
+            name = experiment or os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT)
+            try:
+                exp = mlflow.set_experiment(name)
+            except Exception:  # noqa: BLE001  (another process created it a moment ago: take theirs)
+                exp = mlflow.set_experiment(name)
             if "mlflow.experimentKind" not in exp.tags:  # the UI opens a training experiment on its runs
-                mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, "mlflow.experimentKind",
-                                                         "custom_model_development")
+                try:
+                    mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, "mlflow.experimentKind",
+                                                             "custom_model_development")
+                except Exception:  # noqa: BLE001  (set by a process starting beside us; else it is a real error)
+                    if "mlflow.experimentKind" not in mlflow.MlflowClient().get_experiment(exp.experiment_id).tags:
+                        raise
     except Exception as e:  # noqa: BLE001
         raise TrackingError(f"cannot use the experiment on {uri}: {e}") from None
     return uri
@@ -61,7 +70,7 @@ def check_reachable(uri: str) -> None:
     try:
         httpx.get(uri.rstrip("/") + "/health", timeout=10.0)
     except httpx.HTTPError as e:
-        raise TrackingError(
+        raise ServerUnavailable(
             f"the MLflow tracking server at {uri} is unreachable ({type(e).__name__}). Start it, or point "
             "MLFLOW_TRACKING_URI at a running server (unset it to use the local sqlite store)"
         ) from None

@@ -26,6 +26,7 @@ from pathlib import Path, PurePosixPath
 
 from draftline.config import cache_root
 from draftline.errors import VerificationError
+from draftline.retry import retrying, unavailable
 from draftline.util import atomic_write_text, file_sha256
 
 CHECKSUMS = "checksums.json"
@@ -149,7 +150,6 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
     ``checksums.json`` itself must match it, so rewriting a file and its checksum in the store is caught too.
     ``dest`` is replaced only once everything is in place; on any failure it is left as it was.
     """
-    import mlflow
 
     dest = Path(dest).absolute()
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -157,16 +157,7 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
     with tempfile.TemporaryDirectory(prefix=f".{dest.name}.partial-", dir=dest.parent) as staging, \
             _quiet_mlflow():
         staging = Path(staging)
-        try:
-            listed = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{base_uri}/{CHECKSUMS}",
-                                                              dst_path=str(staging)))
-            manifest = json.loads(listed.read_text())
-        except (OSError, ValueError) as e:
-            raise VerificationError(f"{base_uri} has no readable {CHECKSUMS} ({e}): not a draftline export, "
-                                    "refusing it") from None
-        except Exception as e:  # noqa: BLE001  (MlflowException: the file is not there)
-            raise VerificationError(f"{base_uri} has no {CHECKSUMS}: not a draftline export, refusing it "
-                                    f"({str(e).splitlines()[0]})") from None
+        manifest = retrying(f"download {CHECKSUMS} of {base_uri}", lambda: _read_manifest(base_uri, staging))
         if not isinstance(manifest, dict):
             raise VerificationError(f"{CHECKSUMS} of {base_uri} is not a mapping of file: sha256")
         if manifest_digest and manifest_digest_of(manifest) != manifest_digest:
@@ -193,11 +184,30 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
     return stats
 
 
+def _read_manifest(base_uri: str, staging: Path) -> dict:
+    import mlflow
+
+    try:
+        listed = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{base_uri}/{CHECKSUMS}",
+                                                          dst_path=str(staging)))
+        return json.loads(listed.read_text())
+    except Exception as e:  # noqa: BLE001  (MlflowException: the file is not there)
+        if unavailable(e):
+            raise
+        if isinstance(e, OSError | ValueError):
+            raise VerificationError(f"{base_uri} has no readable {CHECKSUMS} ({e}): not a draftline export, "
+                                    "refusing it") from None
+        raise VerificationError(f"{base_uri} has no {CHECKSUMS}: not a draftline export, refusing it "
+                                f"({str(e).splitlines()[0]})") from None
+
+
 def _fetch_one(base_uri: str, name: str, digest: str, staging: Path, cache: BlobCache | None, on_bytes) -> int:
     target = staging / name
     target.parent.mkdir(parents=True, exist_ok=True)
     with cache.scratch() if cache else tempfile.TemporaryDirectory(prefix=".incoming-", dir=staging) as tmp:
-        local = download_verified(f"{base_uri}/{name}", name, digest, Path(tmp), on_bytes)
+        # a download cut off by a server restart is tried again from the start, in a folder of its own
+        local = retrying(f"download {name} from {base_uri}", lambda: download_verified(
+            f"{base_uri}/{name}", name, digest, Path(tempfile.mkdtemp(dir=tmp)), on_bytes))
         size = local.stat().st_size
         if cache:
             _place(cache.put(local, digest), target)

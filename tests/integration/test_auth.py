@@ -1,4 +1,5 @@
-"""Teams: against `mlflow server --app-name basic-auth`, a READ user can pull but is refused promote."""
+"""Teams: against `mlflow server --app-name basic-auth` (on sqlite, and on PostgreSQL), a READ user can pull but
+is refused promote."""
 
 import json
 
@@ -13,12 +14,16 @@ from ..unit.test_registry import TAGS
 pytestmark = pytest.mark.integration
 
 
-def test_read_user_pulls_but_cannot_promote(workspace, auth_server, monkeypatch, tmp_path):
+@pytest.mark.parametrize("server", ["auth_server", "team_server"])
+def test_read_user_pulls_but_cannot_promote(workspace, server, request, monkeypatch, tmp_path):
+    """On sqlite, and on the team setup (PostgreSQL for runs, registry and users)."""
     import mlflow
     from mlflow import MlflowClient
     from mlflow.server import get_app_client
 
     from draftline.export import CHECKSUMS, export_digest, sha256_manifest
+
+    auth_server = request.getfixturevalue(server)
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", auth_server)
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN[0])

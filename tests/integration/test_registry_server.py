@@ -1,4 +1,5 @@
-"""The registry against a real `mlflow server`: eight promotions racing, and pulls by stage, alias, version."""
+"""The registry against a real `mlflow server` (on sqlite, and on PostgreSQL with basic-auth): eight promotions
+racing."""
 
 import os
 import subprocess
@@ -13,7 +14,10 @@ from ..unit.test_registry import _version
 pytestmark = pytest.mark.integration
 
 
-def test_eight_racing_promotions_show_exactly_one_production_at_every_observation(server_workspace):
+@pytest.mark.parametrize("store", ["server", "postgres"], indirect=True)
+def test_eight_racing_promotions_show_exactly_one_production_at_every_observation(store):
+    """On sqlite every write is serialised by the database itself; on PostgreSQL the server's workers run
+    their transactions side by side, and only draftline's lock keeps the promotions apart."""
     client = MlflowClient()
     for _ in range(8):
         _version(client, "race", 1.5)

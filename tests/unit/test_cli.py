@@ -115,7 +115,7 @@ def test_inspect_mis_shaped_parent_names_the_key(run, tiny, tmp_path):
 def test_unreachable_tracking_server(run, workspace, prepared, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     r = run("finetune", "--data", str(prepared), "--init", "random")
-    assert r.exit_code == 1
+    assert r.exit_code == 75  # EX_TEMPFAIL: worth running again once the server is up
     assert "tracking server at http://127.0.0.1:9 is unreachable" in r.output
 
 

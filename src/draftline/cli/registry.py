@@ -15,7 +15,7 @@ def _client():
 
     from draftline import tracking
 
-    tracking.setup()
+    tracking.setup(select_experiment=False)  # the registry's commands log no runs
     return MlflowClient()
 
 

@@ -1,4 +1,6 @@
-"""A real ``mlflow server`` on loopback (sqlite backend, proxied artifacts) for tests, demos and benchmarks."""
+"""A real ``mlflow server`` on loopback (proxied artifacts; sqlite by default, or any backend store URI, e.g.
+PostgreSQL from :mod:`draftline.testing.postgres`) for tests, demos and benchmarks, optionally with MLflow's
+basic-auth app."""
 
 from __future__ import annotations
 
@@ -12,20 +14,34 @@ from pathlib import Path
 from draftline.util import free_port
 
 
-def start_mlflow_server(root: Path, extra: list[str] = (), env: dict | None = None,
-                        timeout_s: float = 120, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """Start ``mlflow server`` storing everything under ``root`` (on ``port``, else a free one; the same root and
-    port restart the same server); returns ``(process, tracking URI)``."""
+def basic_auth(root: Path, admin: tuple[str, str], database_uri: str | None = None) -> tuple[list[str], dict]:
+    """``(extra args, env)`` for ``--app-name basic-auth``: users and permissions in ``database_uri`` (default a
+    sqlite file under ``root``), default permission READ, ``admin`` as the admin user."""
+    root.mkdir(parents=True, exist_ok=True)
+    ini, database_uri = root / "auth.ini", database_uri or f"sqlite:///{root / 'auth.db'}"
+    ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = {database_uri}\n"
+                   f"admin_username = {admin[0]}\nadmin_password = {admin[1]}\n"
+                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    return ["--app-name", "basic-auth"], {"MLFLOW_AUTH_CONFIG_PATH": str(ini),
+                                          "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-secret-key"}
+
+
+def start_mlflow_server(root: Path, extra: list[str] = (), env: dict | None = None, timeout_s: float = 120, *,
+                        backend_store_uri: str | None = None, port: int | None = None,
+                        workers: int = 1) -> tuple[subprocess.Popen, str]:
+    """Start ``mlflow server`` with its artifacts (and, by default, a sqlite store) under ``root``; returns
+    ``(process, tracking URI)``. Passing the ``port`` and store of a stopped server restarts that server."""
     import httpx
 
     root.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     uri = f"http://127.0.0.1:{port}"
-    log = open(root / "server.log", "wb")  # noqa: SIM115 (the server writes it for its whole life)
+    log = open(root / "server.log", "ab")  # noqa: SIM115 (the server writes it for its whole life)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+        [sys.executable, "-m", "mlflow", "server",
+         "--backend-store-uri", backend_store_uri or f"sqlite:///{root / 'mlflow.db'}",
          "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1", *extra],
+         "--workers", str(workers), *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -36,11 +52,15 @@ def start_mlflow_server(root: Path, extra: list[str] = (), env: dict | None = No
             pass
         if proc.poll() is not None:
             raise RuntimeError((root / "server.log").read_text()[-3000:])
-        time.sleep(0.5)
+        time.sleep(0.25)
     os.killpg(proc.pid, signal.SIGKILL)
     raise RuntimeError(f"mlflow server did not start within {timeout_s:.0f} s; see {root / 'server.log'}")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Stop the server and its workers (``SIGKILL``: as a crash would)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
     proc.wait(timeout=30)
