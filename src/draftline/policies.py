@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from draftline.errors import ConfigError
+from draftline.evaluation.results import Evidence
 
 
 class Comparison(BaseModel):
@@ -51,18 +52,6 @@ class RuleResult:
     rule: str
     passed: bool
     detail: str
-
-
-@dataclass
-class Evidence:
-    """The evaluations of the version, of the current Production and of the parent (``None``: random init),
-    as :func:`draftline.evaluation.results.evaluations_of` reads them; hints say how to evaluate each."""
-    version: list = field(default_factory=list)
-    current: list = field(default_factory=list)
-    parent: list | None = None
-    version_hint: str = ""
-    current_hint: str = ""
-    parent_hint: str = ""
 
 
 def policy_path(stage: str) -> Path:

@@ -41,6 +41,18 @@ class Evaluation:
         return ", ".join(parts)
 
 
+@dataclass
+class Evidence:
+    """The evaluations of the version, of the current Production and of the parent (``None``: random init),
+    as :func:`evaluations_of` reads them; hints say how to evaluate each (what a policy's evaluation rules read)."""
+    version: list[Evaluation] = field(default_factory=list)
+    current: list[Evaluation] = field(default_factory=list)
+    parent: list[Evaluation] | None = None
+    version_hint: str = ""
+    current_hint: str = ""
+    parent_hint: str = ""
+
+
 def evaluations_of(client, model_id: str | None) -> list[Evaluation]:
     """Every evaluation set ``model_id`` was evaluated on; the newest value of each metric."""
     if not model_id:
@@ -101,7 +113,6 @@ def _parent_evaluations(client, mv) -> tuple[list[Evaluation] | None, str]:
 def evidence_for(client, name: str, mv, current, data: str):
     """What a policy with an evaluation rule compares: the evaluations of ``mv``, of ``current`` (the version
     in Production, or None) and of ``mv``'s parent, with the command that evaluates each."""
-    from draftline.policies import Evidence
     from draftline.registry import model_id_of
 
     def hint(target: str) -> str:
