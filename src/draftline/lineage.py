@@ -139,7 +139,12 @@ def data_set(manifest: dict, name: str = "prepared"):
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
-    return MetaDataset(source=resolve_dataset_source(manifest["source"]), name=name, digest=manifest["digest"][:36])
+    import warnings
+
+    with warnings.catch_warnings():  # two registered local-path sources both match: MLflow warns, picks one
+        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+        source = resolve_dataset_source(manifest["source"])
+    return MetaDataset(source=source, name=name, digest=manifest["digest"][:36])
 
 
 def data_set_tags(manifest: dict) -> dict[str, str]:
