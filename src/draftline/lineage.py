@@ -136,10 +136,10 @@ def write_json(path: Path, obj: dict) -> Path:
 def data_set(manifest: dict, name: str = "prepared"):
     """The prepared data as an MLflow data set: what prepare logs as its output and finetune as its input
     (same source, same digest, so the UI links them)."""
+    import warnings
+
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
-
-    import warnings
 
     with warnings.catch_warnings():  # two registered local-path sources both match: MLflow warns, picks one
         warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
