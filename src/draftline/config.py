@@ -203,20 +203,23 @@ def cache_root() -> Path:
     return Path(os.environ.get("DRAFTLINE_CACHE_DIR") or "~/.cache/draftline").expanduser()
 
 
+def load_file(file: str | Path) -> dict[str, Any]:
+    """A YAML settings file as ``{setting: value}``. Raises :class:`ConfigError`."""
+    path = Path(file)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must be a mapping of setting: value")
+    return loaded
+
+
 def resolve(model: type[BaseModel], *, flags: dict[str, Any] | None = None, file: str | Path | None = None):
     """flag > config file > default. ``None`` flags do not override. Raises :class:`ConfigError`."""
-    values: dict[str, Any] = {}
-    if file:
-        path = Path(file)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must be a mapping of setting: value")
-        values.update(loaded)
+    values: dict[str, Any] = load_file(file) if file else {}
     values.update({k: v for k, v in (flags or {}).items() if v is not None})
     try:
         return model(**values)

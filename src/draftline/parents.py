@@ -7,6 +7,7 @@ or ``models:/NAME@alias`` (a drafter registered before, so lineage chains across
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from dataclasses import dataclass
@@ -132,7 +133,8 @@ def resolve_init(init: str, *, cache: Path | None = None) -> Parent:
         cached = _hf_cached(init)
         if cached:
             return Parent(init=init, name=init, source=init, revision=cached.name, path=cached)
+    near = difflib.get_close_matches(init, list(catalog), n=1)
     raise ParentNotFound(
         f"init '{init}' is not 'random', a catalog name ({', '.join(sorted(catalog))}), a local directory, a "
-        "Hugging Face repo in the local cache, or a models:/ URI"
+        "Hugging Face repo in the local cache, or a models:/ URI" + (f"; did you mean '{near[0]}'?" if near else "")
     )

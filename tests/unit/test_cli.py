@@ -144,3 +144,45 @@ def test_shipped_policies_validate_and_a_typo_is_refused(tmp_path):
     bad.write_text("stage: Production\nmin_metric:\n  val/acceptance_length: 2\n")
     with pytest.raises(ConfigError, match="min_metric: Extra inputs are not permitted"):
         load_policy(bad)
+
+
+def test_pull_needs_exactly_one_version_selector_a_usage_error(run, tmp_path):
+    for selector in ([], ["--stage", "Production", "--version", "3"]):
+        r = run("pull", "drafter", "--dest", str(tmp_path / "d"), *selector)
+        assert r.exit_code == 2 and "Usage: " in r.output
+        assert "Error: pass exactly one of --stage, --alias or --version" in r.output
+    assert not (tmp_path / "d").exists()
+
+
+def test_required_settings_are_marked_required_in_help(run):
+    import re
+
+    ft = run("finetune", "--help").output
+    data = re.search(r"^\s+--data\b.*?(?=^\s+--)", ft, re.M | re.S).group(0)
+    assert "[required]" in data
+    assert "[required]" not in re.search(r"^\s+--init\b.*?(?=^\s+--)", ft, re.M | re.S).group(0)
+
+
+def test_a_missing_required_setting_is_a_usage_error_unless_the_config_file_has_it(run, tmp_path):
+    r = run("finetune", "--zero-stage", "2")
+    assert r.exit_code == 2 and "Missing option '--data'" in r.output and "Traceback" not in r.output
+    cfg = tmp_path / "ev.yaml"
+    cfg.write_text("data: /x\n")
+    r = run("evaluate", "--config", str(cfg))
+    assert r.exit_code == 2 and "Missing option '--target'" in r.output and "'--data'" not in r.output
+
+
+def test_a_catalog_name_typo_gets_did_you_mean(tmp_path, monkeypatch):
+    from draftline.errors import ParentNotFound
+    from draftline.parents import resolve_init
+
+    catalog = tmp_path / "parents.yaml"
+    catalog.write_text("parents:\n  aq-medai: {source: AQ-MedAI/Kimi-K2-Instruct-eagle3}\n"
+                       "  tiny: {source: draftline/tiny}\n")
+    monkeypatch.setenv("DRAFTLINE_PARENTS", str(catalog))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ParentNotFound, match="did you mean 'aq-medai'\\?"):
+        resolve_init("aq-media")
+    with pytest.raises(ParentNotFound) as e:
+        resolve_init("no-such-parent")
+    assert "did you mean" not in str(e.value)

@@ -8,6 +8,7 @@ line and exit 1 (2 for usage errors); anything else is a bug and keeps its trace
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -61,14 +62,43 @@ def _metavar(annotation) -> str:
     return {int: "INT", float: "FLOAT"}.get(inner[0], "TEXT") if len(inner) == 1 else "TEXT"
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require(model, f):
+    """Wrap a command so that a required setting given neither as a flag nor in ``--config`` is a usage error
+    (exit 2, click's format) before the command body runs. click's own ``required=True`` cannot be used: the
+    config file may supply the value."""
+
+    @functools.wraps(f)
+    def checked(*args, **kwargs):
+        from draftline.config import load_file
+
+        missing = [n for n, fld in model.model_fields.items() if fld.is_required() and kwargs.get(n) in (None, "")]
+        if missing and kwargs.get("config_file"):
+            in_file = load_file(kwargs["config_file"])
+            missing = [n for n in missing if in_file.get(n) in (None, "")]
+        if missing:
+            flags = ", ".join(f"'{_flag(n)}'" for n in missing)
+            raise click.UsageError(f"Missing option{'s' if len(missing) > 1 else ''} {flags} (or set "
+                                   f"{', '.join(missing)} in the --config file).", ctx=click.get_current_context())
+        return f(*args, **kwargs)
+
+    return checked
+
+
 def settings_options(model):
-    """Decorate a command with one option per settings field (``--kebab-name``), help from the description."""
+    """Decorate a command with one option per settings field (``--kebab-name``), help from the description.
+    A setting without a default is marked ``[required]`` and checked before the command runs."""
 
     def decorate(f):
+        f = _require(model, f)
         for name, field in reversed(list(model.model_fields.items())):
-            flag = "--" + name.replace("_", "-")
+            flag = _flag(name)
             default = None if field.is_required() else field.default
-            help_ = (field.description or "") + (f"  [default: {default}]" if default not in (None, "") else "")
+            help_ = (field.description or "") + (f"  [default: {default}]" if default not in (None, "") else "") + (
+                "  [required]" if field.is_required() else "")
             if field.annotation is bool:
                 # `--log-shards`, `--no-log-shards`, or a value (`--log-shards false`, as MLproject passes it)
                 f = click.option(f"--no-{name.replace('_', '-')}", f"no_{name}", is_flag=True, default=False,

@@ -33,7 +33,8 @@ def _report(out: dict, as_json: bool) -> None:
 @cli.command()
 @click.argument("name")
 @click.argument("version")
-@click.option("--to", "stage", type=click.Choice(["Staging", "Production"], case_sensitive=False), required=True)
+@click.option("--to", "stage", type=click.Choice(["Staging", "Production"], case_sensitive=False), required=True,
+              help="The stage to promote to.")
 @click.option("--policy", "policy_file", type=click.Path(dir_okay=False), default=None,
               help="Policy YAML [default: registry_policies/<stage>.yaml].")
 @click.option("--dry-run", is_flag=True, help="Evaluate the policy and change nothing.")
@@ -118,6 +119,8 @@ def pull(name, stage, alias, version, dest, verifier, no_cache, as_json):
     DEST receives the complete verified directory or is left as it was."""
     from draftline import registry
 
+    if sum(bool(x) for x in (stage, alias, version)) != 1:  # before any tracking store is touched
+        raise click.UsageError("pass exactly one of --stage, --alias or --version")
     with _stdout_to_stderr():
         out = registry.pull(_client(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
                             verifier=verifier, use_cache=not no_cache)

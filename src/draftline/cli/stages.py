@@ -19,7 +19,7 @@ from draftline.verifiers import CATALOG as VERIFIERS
               help="Text to train the tokenizer and the parent on [default: the demo conversations].")
 @click.option("--parent-steps", type=click.IntRange(0, 100000), default=150, show_default=True,
               help="Optimiser steps for the tiny parent.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for the weights and the parent's training.")
 def make_tiny_cmd(out_dir, conversations, parent_steps, seed):
     """Write a tiny verifier (OUT_DIR/verifier) and a tiny AQ-MedAI-layout parent (OUT_DIR/parent).
 
@@ -144,15 +144,17 @@ def inspect(target, allow_pickle):
               help="Drafter directory or its config.json (speculators or SpecForge layout) "
                    "[default: the real Kimi-K2 EAGLE-3 drafter's shape].")
 @click.option("--gpus", type=click.IntRange(1), default=8, show_default=True, help="GPUs per node.")
-@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True, help="Nodes.")
 @click.option("--gpu-memory-gib", type=click.FloatRange(0, min_open=True), default=180.0, show_default=True,
               help="Memory per GPU (180: B200).")
 @click.option("--tokens-per-batch", type=click.IntRange(1), default=4096, show_default=True,
               help="Packed tokens per rank per step.")
-@click.option("--ttt-steps", type=click.IntRange(1, 16), default=3, show_default=True)
-@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option("--ttt-steps", type=click.IntRange(1, 16), default=3, show_default=True,
+              help="Test-time-training steps (draft positions).")
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Training precision.")
 @click.option("--attn-impl", type=click.Choice(["sdpa", "eager", "simple_flex_attention"]), default="sdpa",
-              show_default=True)
+              show_default=True, help="Attention implementation the drafter trains with.")
 @click.option("--margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
               help="Share of GPU memory kept free for what is not modelled (CUDA context, NCCL, fragmentation).")
 @click.option("--zero-stage", type=click.IntRange(0, 3), default=None,
