@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The demo: tiny verifier, served on loopback as `vllm serve` would -> an evaluation set from MT-Bench prompts
+# The demo: tiny verifier, served on loopback as `vllm serve` would -> an evaluation set from held-out prompts
 # answered by the verifier -> the parent measured on it -> training data answered by the verifier -> finetune
 # from the tiny AQ-MedAI-layout parent (DeepSpeed ZeRO-2, 2 ranks; CPU here) -> the child measured on the same
 # set -> export + register -> promote to Production (only if it beats its parent there) -> verified pull.
@@ -19,17 +19,17 @@ until curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null; do sleep 0.5; done
 endpoint="http://127.0.0.1:$port/v1"
 lap "make-tiny + server"
 
-evalset=$(draftline prepare --conversations configs/demo/mt_bench_questions.jsonl --verifier work/tiny/verifier \
-            --name evaluation --regenerate-endpoint "$endpoint" --regenerate-max-tokens 32 --max-samples 12 \
-            --max-length 256 | field data_uri)
+evalset=$(draftline prepare --conversations configs/demo/eval_prompts.jsonl --verifier work/tiny/verifier \
+            --name evaluation --regenerate-endpoint "$endpoint" --regenerate-max-tokens 32 --max-length 256 \
+          | field data_uri)
 data=$(draftline prepare --conversations configs/demo/conversations.jsonl --verifier work/tiny/verifier \
          --regenerate-endpoint "$endpoint" --regenerate-max-tokens 32 --max-samples 64 --max-length 256 \
          | field data_uri)
 lap "prepare (evaluation set + training data, answered by the verifier)"
 draftline evaluate --target tiny --data "$evalset" --max-new-tokens 24 >&2
 lap "evaluate the parent"
-run=$(draftline finetune --data "$data" --eval-data "$evalset" --init tiny --gpus 2 --zero-stage 2 --steps 30 \
-        --tokens-per-batch 512 --lr 5e-4 --val-every 10 --save-every 10 | field run_id)
+run=$(draftline finetune --data "$data" --eval-data "$evalset" --init tiny --vocab rebuild --gpus 2 --zero-stage 2 \
+        --steps 40 --tokens-per-batch 512 --lr 3e-3 --warmup-steps 0 --val-every 10 --save-every 10 | field run_id)
 lap "finetune"
 draftline evaluate --target "runs:/$run" --data "$evalset" --max-new-tokens 24 >&2
 version=$(draftline export --run "$run" --registered-model tiny-drafter | field version)

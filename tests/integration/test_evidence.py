@@ -1,5 +1,5 @@
-"""Promotion on evidence, against a real `mlflow server`: an evaluation set built from prompts only (MT-Bench
-questions answered by the tiny verifier through its OpenAI-compatible server), the parent and two children
+"""Promotion on evidence, against a real `mlflow server`: an evaluation set built from prompts only (held-out
+demo prompts answered by the tiny verifier through its OpenAI-compatible server), the parent and two children
 measured on it (teacher-forced and by real chain speculative decoding), a child worse than its parent refused
 Production with the delta, a better one promoted, and the numbers on the versions' models."""
 
@@ -16,7 +16,7 @@ from draftline.testing.tiny_server import serve_in_thread
 from ..conftest import DEMO
 
 pytestmark = pytest.mark.integration
-MT_BENCH = DEMO.parent / "mt_bench_questions.jsonl"  # prompts only (FastChat, Apache-2.0)
+EVAL_PROMPTS = DEMO.parent / "eval_prompts.jsonl"  # prompts only, held out of the demo conversations trained on
 
 
 def invoke(*args, code=0):
@@ -29,9 +29,8 @@ def test_promotion_on_evidence(server_workspace, tiny):
     client = MlflowClient()
     verifier = str(tiny["verifier"])
     with serve_in_thread(verifier) as server:  # stands in for `vllm serve <verifier>`
-        ev = invoke("prepare", "--conversations", str(MT_BENCH), "--verifier", verifier, "--name", "evaluation",
-                    "--regenerate-endpoint", server.url, "--regenerate-max-tokens", "40", "--max-length", "256",
-                    "--max-samples", "16")
+        ev = invoke("prepare", "--conversations", str(EVAL_PROMPTS), "--verifier", verifier, "--name", "evaluation",
+                    "--regenerate-endpoint", server.url, "--regenerate-max-tokens", "32", "--max-length", "256")
         train = invoke("prepare", "--conversations", str(DEMO), "--verifier", verifier, "--max-length", "256",
                        "--max-samples", "64", "--regenerate-endpoint", server.url, "--regenerate-max-tokens", "32")
 
@@ -41,8 +40,8 @@ def test_promotion_on_evidence(server_workspace, tiny):
     assert 1.0 <= parent["measured_acceptance_length"] <= 1.0 + 3
 
     steps = ("--gpus", "1", "--tokens-per-batch", "512", "--warmup-steps", "0", "--val-every", "10")
-    good = invoke("finetune", "--data", train["data_uri"], "--init", "tiny", "--steps", "30", "--lr", "5e-4",
-                  "--eval-data", ev["data_uri"], *steps)
+    good = invoke("finetune", "--data", train["data_uri"], "--init", "tiny", "--vocab", "rebuild", "--steps", "40",
+                  "--lr", "3e-3", "--eval-data", ev["data_uri"], *steps)
     bad = invoke("finetune", "--data", train["data_uri"], "--init", "tiny", "--steps", "4", "--lr", "0.05",
                  "--val-fraction", "0", *steps)
     run = client.get_run(good["run_id"])
