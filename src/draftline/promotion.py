@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 ALIASES = {"Production": "production", "Staging": "staging"}
 LOCK_SUFFIX = "--draftline-promotion-lock"
 STALE_LOCK_S = 30.0  # a promotion's writes take about a second: a lock this old belongs to a killed promoter
+WAIT_ENV = "DRAFTLINE_PROMOTION_WAIT_S"  # how long a promoter waits for the lock (default 120 s)
 
 
 def _now() -> str:
@@ -100,7 +101,7 @@ def _stale(tags: dict) -> bool:
 
 
 @contextlib.contextmanager
-def promotion_lock(client, name: str, timeout_s: float = 120.0, token: str | None = None):
+def promotion_lock(client, name: str, timeout_s: float | None = None, token: str | None = None):
     """Serialise changes to ``name``'s stages: creating the registered model ``<name>--draftline-promotion-lock``
     succeeds for exactly one promoter at a time, and it is deleted when the change ends. A lock left by a
     killed promoter is taken over once stale (its process is gone, or it is older than STALE_LOCK_S); one
@@ -108,6 +109,7 @@ def promotion_lock(client, name: str, timeout_s: float = 120.0, token: str | Non
     was lost) and is simply kept."""
     lock = name + LOCK_SUFFIX
     token = token or uuid.uuid4().hex
+    timeout_s = float(os.environ.get(WAIT_ENV, "120")) if timeout_s is None else timeout_s
     deadline, delay = time.monotonic() + timeout_s, 0.05
     while True:
         try:
@@ -128,7 +130,7 @@ def promotion_lock(client, name: str, timeout_s: float = 120.0, token: str | Non
                     continue
             if time.monotonic() > deadline:
                 raise RegistryError(f"another promotion of {name} has held {lock} for {timeout_s:.0f} s; wait "
-                                    "for it to end, then promote again") from None
+                                    f"for it to end, then promote again (or wait longer: {WAIT_ENV})") from None
             time.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 1.0)
     try:
