@@ -11,6 +11,7 @@ whether every pulled directory was complete, verified and of a version that held
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -90,9 +91,14 @@ def _round(client, uri: str, manifests: dict, n: int, root: Path, every_s: float
             bad += 1
     bad += sum(bool(fleet.check_cache(c)) for c in {p.cache for p in pulls})
     retries = sum(p.err.count("again in") + p.err.count("Retrying (") for p in pulls)
+    reasons: dict[str, int] = {}
+    for p in failed:  # exit code and the one error line, numbers and ports blurred so that alike ones group
+        line = next((x for x in p.err.splitlines() if x.startswith("error: ")), p.err.strip()[-200:])
+        key = f"exit {p.proc.returncode}: " + re.sub(r"\d+", "N", line)[:240]
+        reasons[key] = reasons.get(key, 0) + 1
     return {"pullers": n, "wall_s": round(wall, 2), "pulls_per_s": round(n / wall, 2),
             "p50_s": round(statistics.median(lat), 2), "p99_s": round(_percentile(lat, 0.99), 2),
             "max_s": round(max(lat), 2), "failed": len(failed), "server_errors": len(failed) + retries,
             "retries_logged": retries, "bad": bad, "registry_changes": len(mover.changes),
-            "mover_errors": len(mover.errors), "versions_pulled": sorted({p.result()["version"] for p in pulls
+            "failures": reasons, "mover_errors": len(mover.errors), "versions_pulled": sorted({p.result()["version"] for p in pulls
                                                                           if p.result()})}
