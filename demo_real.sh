@@ -25,11 +25,13 @@ GSM_EVAL=${REAL_GSM_EVAL:-40}          # GSM8K test prompts: the evaluation set 
 MAX_TOKENS=${REAL_MAX_TOKENS:-256}     # most tokens per regenerated reply
 PARENT_STEPS=${REAL_PARENT_STEPS:-300}
 CHILD_STEPS=${REAL_CHILD_STEPS:-150}
+VAL_EVERY=${REAL_VAL_EVERY:-50}        # validation (on the evaluation set, for the child) every N steps
 TOKENS=${REAL_TOKENS_PER_BATCH:-2048}  # per rank per step
 EVAL_PROMPTS=${REAL_EVAL_PROMPTS:-20}  # prompts measured by chain speculative decoding, per set
 EVAL_NEW=${REAL_EVAL_NEW_TOKENS:-128}
 BATCH=${REAL_SERVER_BATCH:-16}         # the loopback server batches this many greedy requests per generate
 RANKS=${REAL_RANKS:-2}
+CAPTURE_BATCH=${REAL_CAPTURE_BATCH:-2} # conversations per verifier forward when capturing (memory: ~1 GB each)
 DRAFT_VOCAB=${REAL_DRAFT_VOCAB:-8192}  # the parent's draft vocabulary (the child rebuilds one of this size)
 W=work/real
 mkdir -p "$W"
@@ -53,7 +55,7 @@ else:
     sys.exit("the loopback server did not start: see work/real/server.log")
 EOF
 lap "server up"
-regen=(--verifier "$verifier" --regenerate-endpoint "$endpoint" --regenerate-max-tokens "$MAX_TOKENS"
+regen=(--verifier "$verifier" --batch-size "$CAPTURE_BATCH" --regenerate-endpoint "$endpoint" --regenerate-max-tokens "$MAX_TOKENS"
        --regenerate-concurrency "$BATCH" --regenerate-temperature 0)
 
 # 1. the general parent (stand-in for AQ-MedAI): MT-Bench minus the held-out categories, plus ShareGPT questions
@@ -69,7 +71,7 @@ general=$(dl prepare --conversations "$W/general_prompts.jsonl" --categories "$d
             | field data_uri)
 lap "prepare general (regenerate + capture)"
 parent_run=$(dl finetune --data "$general" --init random --draft-vocab-size "$DRAFT_VOCAB" --gpus "$RANKS" --steps "$PARENT_STEPS" \
-               --tokens-per-batch "$TOKENS" --lr 1e-3 --warmup-steps 20 --val-every 50 | field run_id)
+               --tokens-per-batch "$TOKENS" --lr 1e-3 --warmup-steps 20 --val-every "$VAL_EVERY" | field run_id)
 lap "finetune parent from random init"
 parent_export=$(dl export --run "$parent_run" --registered-model smollm2-general-drafter --layout midlayer \
                   | field run_id)
@@ -91,7 +93,7 @@ kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true   # free 
 
 # 3. the child: finetuned from the parent on the team's traffic, validated on the evaluation set
 child_run=$(dl finetune --data "$team" --init "$parent" --vocab rebuild --eval-data "$evaluation" --gpus "$RANKS" \
-              --steps "$CHILD_STEPS" --tokens-per-batch "$TOKENS" --lr 5e-4 --warmup-steps 10 --val-every 50 \
+              --steps "$CHILD_STEPS" --tokens-per-batch "$TOKENS" --lr 5e-4 --warmup-steps 10 --val-every "$VAL_EVERY" \
               | field run_id)
 lap "finetune child from the parent"
 ev=(--measured true --max-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_NEW")
