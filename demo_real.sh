@@ -5,7 +5,8 @@
 #   team traffic:   GSM8K train prompts answered by SmolLM2 -> finetune from that parent (vocab rebuild) ->
 #                   evaluate parent and child on held-out GSM8K test prompts (the set promotion reads) and on the
 #                   4 held-out MT-Bench categories -> export -> promote to Production (only if the child beats it)
-# Needs `./setup.sh --real` (or a built verifier in $DRAFTLINE_CACHE_DIR). Sizes: the REAL_* variables below.
+# Needs `./setup.sh --real` (or a built verifier in $DRAFTLINE_CACHE_DIR). Sizes: the REAL_* variables below; the
+# defaults are sized (estimated, not measured) for ~25 minutes on a quiet 2-core machine.
 # Tracking: $MLFLOW_TRACKING_URI, else the embedded sqlite:///$PWD/mlflow.db. Prints one JSON summary at the end
 # (also written to work/real/summary.json).
 set -euo pipefail
@@ -18,19 +19,20 @@ t0=$SECONDS; lap() { echo "== $1 took $((SECONDS - t0)) s" >&2; t0=$SECONDS; }
 export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-sqlite:///$PWD/mlflow.db}
 
 HELD_OUT=${REAL_HELD_OUT:-reasoning,math,coding,humanities}   # MT-Bench categories the parent never sees
-MT_PER_CATEGORY=${REAL_MT_PER_CATEGORY:-10}  # MT-Bench questions per category (10: all 80)
-SHAREGPT=${REAL_SHAREGPT:-60}          # ShareGPT dummy conversations in the parent's data
-GSM_TRAIN=${REAL_GSM_TRAIN:-300}       # GSM8K train prompts: the team's traffic
-GSM_EVAL=${REAL_GSM_EVAL:-40}          # GSM8K test prompts: the evaluation set (never trained on)
-MAX_TOKENS=${REAL_MAX_TOKENS:-256}     # most tokens per regenerated reply
-PARENT_STEPS=${REAL_PARENT_STEPS:-300}
-CHILD_STEPS=${REAL_CHILD_STEPS:-150}
-VAL_EVERY=${REAL_VAL_EVERY:-50}        # validation (on the evaluation set, for the child) every N steps
-TOKENS=${REAL_TOKENS_PER_BATCH:-2048}  # per rank per step
-EVAL_PROMPTS=${REAL_EVAL_PROMPTS:-20}  # prompts measured by chain speculative decoding, per set
-EVAL_NEW=${REAL_EVAL_NEW_TOKENS:-128}
+MT_PER_CATEGORY=${REAL_MT_PER_CATEGORY:-5}  # MT-Bench questions per category (10: all 80)
+SHAREGPT=${REAL_SHAREGPT:-40}          # ShareGPT dummy conversations in the parent's data
+GSM_TRAIN=${REAL_GSM_TRAIN:-160}       # GSM8K train prompts: the team's traffic
+GSM_EVAL=${REAL_GSM_EVAL:-32}          # GSM8K test prompts: the evaluation set (never trained on)
+MAX_TOKENS=${REAL_MAX_TOKENS:-192}     # most tokens per regenerated reply
+PARENT_STEPS=${REAL_PARENT_STEPS:-200}
+CHILD_STEPS=${REAL_CHILD_STEPS:-120}
+VAL_EVERY=${REAL_VAL_EVERY:-20}        # validation (on the evaluation set, for the child) every N steps
+TOKENS=${REAL_TOKENS_PER_BATCH:-1024}  # per rank per step
+EVAL_PROMPTS=${REAL_EVAL_PROMPTS:-16}  # prompts measured by chain speculative decoding, per set
+EVAL_NEW=${REAL_EVAL_NEW_TOKENS:-96}
 BATCH=${REAL_SERVER_BATCH:-16}         # the loopback server batches this many greedy requests per generate
 RANKS=${REAL_RANKS:-2}
+PRECISION=${REAL_PRECISION:-fp32}      # fp32 on CPUs: without AVX512-BF16 a bf16 matmul is ~100x slower
 CAPTURE_BATCH=${REAL_CAPTURE_BATCH:-2} # conversations per verifier forward when capturing (memory: ~1 GB each)
 DRAFT_VOCAB=${REAL_DRAFT_VOCAB:-8192}  # the parent's draft vocabulary (the child rebuilds one of this size)
 W=work/real
@@ -71,7 +73,7 @@ general=$(dl prepare --conversations "$W/general_prompts.jsonl" --categories "$d
             | field data_uri)
 lap "prepare general (regenerate + capture)"
 parent_run=$(dl finetune --data "$general" --init random --draft-vocab-size "$DRAFT_VOCAB" --gpus "$RANKS" --steps "$PARENT_STEPS" \
-               --tokens-per-batch "$TOKENS" --lr 1e-3 --warmup-steps 20 --val-every "$VAL_EVERY" | field run_id)
+               --tokens-per-batch "$TOKENS" --precision "$PRECISION" --lr 1e-3 --warmup-steps 20 --val-every "$VAL_EVERY" | field run_id)
 lap "finetune parent from random init"
 parent_export=$(dl export --run "$parent_run" --registered-model smollm2-general-drafter --layout midlayer \
                   | field run_id)
@@ -93,7 +95,7 @@ kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true   # free 
 
 # 3. the child: finetuned from the parent on the team's traffic, validated on the evaluation set
 child_run=$(dl finetune --data "$team" --init "$parent" --vocab rebuild --eval-data "$evaluation" --gpus "$RANKS" \
-              --steps "$CHILD_STEPS" --tokens-per-batch "$TOKENS" --lr 5e-4 --warmup-steps 10 --val-every "$VAL_EVERY" \
+              --steps "$CHILD_STEPS" --tokens-per-batch "$TOKENS" --precision "$PRECISION" --lr 5e-4 --warmup-steps 10 --val-every "$VAL_EVERY" \
               | field run_id)
 lap "finetune child from the parent"
 ev=(--measured true --max-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_NEW")
