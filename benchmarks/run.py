@@ -9,6 +9,7 @@
     python -m benchmarks.run regenerate             (tiny server: batched vs one request at a time)
     python -m benchmarks.run evaluation             (measured vs teacher-forced acceptance, tiny verifier)
     python -m benchmarks.run fleet [--pullers 1,8,32]   (pulls by stage while Production moves; PostgreSQL)
+    python -m benchmarks.run real-tier [--log LOG]  (collects a finished ./demo_real.sh run: SmolLM2 on the CPU)
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ def _table(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan", "data",
-                                         "regenerate", "evaluation", "fleet"])
+                                         "regenerate", "evaluation", "fleet", "real-tier"])
     ap.add_argument("--shape", default=None, choices=["tiny", "real"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="train-step: interleaved rounds (>= 3 for a spread)")
     ap.add_argument("--pullers", default="1,8,32", help="fleet: concurrent pullers per round")
+    ap.add_argument("--log", default=None, help="real-tier: demo_real.sh's stderr (default work/real/demo.log)")
     args = ap.parse_args(argv)
     t0 = time.time()
     if args.name == "train-step":
@@ -64,6 +66,10 @@ def main(argv=None) -> int:
         from benchmarks.evaluation import run
 
         result = run()
+    elif args.name == "real-tier":
+        from benchmarks.real_tier import run
+
+        result = run(log=args.log)
     elif args.name == "data":
         from benchmarks.data import run
 
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
                    "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
                    "date": time.strftime("%Y-%m-%d")})
     RESULTS.mkdir(exist_ok=True)
-    suffix = f"-{result.get('shape')}" if result.get("shape") else ""
+    suffix = f"-{result.get('shape')}" if result.get("shape") and args.name != "real-tier" else ""
     out = RESULTS / f"{args.name}{suffix}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{args.name} ({result.get('shape')}, {result.get('device', 'cpu')}) -> {out}\n{_table(result)}")

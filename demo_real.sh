@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# The real tier: the user's story on a real verifier, SmolLM2-135M-Instruct, on the CPU.
+#   general parent: MT-Bench (4 categories) + ShareGPT dummy questions answered by SmolLM2 -> prepare -> finetune
+#                   from random init -> export --layout midlayer: our stand-in for AQ-MedAI
+#   team traffic:   GSM8K train prompts answered by SmolLM2 -> finetune from that parent (vocab rebuild) ->
+#                   evaluate parent and child on held-out GSM8K test prompts (the set promotion reads) and on the
+#                   4 held-out MT-Bench categories -> export -> promote to Production (only if the child beats it)
+# Needs `./setup.sh --real` (or a built verifier in $DRAFTLINE_CACHE_DIR). Sizes: the REAL_* variables below; the
+# defaults are sized (estimated, not measured) for ~25 minutes on a quiet 2-core machine.
+# Tracking: $MLFLOW_TRACKING_URI, else the embedded sqlite:///$PWD/mlflow.db. Prints one JSON summary at the end
+# (also written to work/real/summary.json).
+set -euo pipefail
+cd "$(dirname "$0")"
+[ -n "${VIRTUAL_ENV:-}" ] || source .venv/bin/activate
+PY=${DRAFTLINE_PYTHON:-python}
+dl() { "$PY" -m draftline.cli "$@"; }
+field() { "$PY" -c "import json,sys; print(json.load(sys.stdin)['$1'])"; }
+t0=$SECONDS; lap() { echo "== $1 took $((SECONDS - t0)) s" >&2; t0=$SECONDS; }
+export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-sqlite:///$PWD/mlflow.db}
+
+HELD_OUT=${REAL_HELD_OUT:-reasoning,math,coding,humanities}   # MT-Bench categories the parent never sees
+MT_PER_CATEGORY=${REAL_MT_PER_CATEGORY:-5}  # MT-Bench questions per category (10: all 80)
+SHAREGPT=${REAL_SHAREGPT:-40}          # ShareGPT dummy conversations in the parent's data
+GSM_TRAIN=${REAL_GSM_TRAIN:-160}       # GSM8K train prompts: the team's traffic
+GSM_EVAL=${REAL_GSM_EVAL:-32}          # GSM8K test prompts: the evaluation set (never trained on)
+MAX_TOKENS=${REAL_MAX_TOKENS:-192}     # most tokens per regenerated reply
+PARENT_STEPS=${REAL_PARENT_STEPS:-200}
+CHILD_STEPS=${REAL_CHILD_STEPS:-120}
+VAL_EVERY=${REAL_VAL_EVERY:-20}        # validation (on the evaluation set, for the child) every N steps
+TOKENS=${REAL_TOKENS_PER_BATCH:-1024}  # per rank per step
+EVAL_PROMPTS=${REAL_EVAL_PROMPTS:-16}  # prompts measured by chain speculative decoding, per set
+EVAL_NEW=${REAL_EVAL_NEW_TOKENS:-96}
+BATCH=${REAL_SERVER_BATCH:-16}         # the loopback server batches this many greedy requests per generate
+RANKS=${REAL_RANKS:-2}
+PRECISION=${REAL_PRECISION:-fp32}      # fp32 on CPUs: without AVX512-BF16 a bf16 matmul is ~100x slower
+CAPTURE_BATCH=${REAL_CAPTURE_BATCH:-2} # conversations per verifier forward when capturing (memory: ~1 GB each)
+DRAFT_VOCAB=${REAL_DRAFT_VOCAB:-8192}  # the parent's draft vocabulary (the child rebuilds one of this size)
+W=work/real
+mkdir -p "$W"
+
+verifier=$(dl make-verifier smollm2 | field path)
+lap "make-verifier"
+port=$("$PY" -c "from draftline.util import free_port; print(free_port())")
+"$PY" -m draftline.testing.tiny_server "$verifier" --port "$port" --served-model-name smollm2 \
+  --max-batch "$BATCH" >"$W/server.log" 2>&1 &
+server=$!
+trap 'kill "$server" 2>/dev/null || true' EXIT INT TERM
+endpoint="http://127.0.0.1:$port/v1"
+"$PY" - "$endpoint" <<'EOF'
+import sys, time, urllib.request
+for _ in range(600):
+    try:
+        urllib.request.urlopen(sys.argv[1] + "/models", timeout=2).read(); break
+    except OSError:
+        time.sleep(0.5)
+else:
+    sys.exit("the loopback server did not start: see work/real/server.log")
+EOF
+lap "server up"
+regen=(--verifier "$verifier" --batch-size "$CAPTURE_BATCH" --regenerate-endpoint "$endpoint" --regenerate-max-tokens "$MAX_TOKENS"
+       --regenerate-concurrency "$BATCH" --regenerate-temperature 0)
+
+# 1. the general parent (stand-in for AQ-MedAI): MT-Bench minus the held-out categories, plus ShareGPT questions
+"$PY" -c "import collections, json, sys
+seen = collections.Counter()
+for line in open('configs/demo/mt_bench_questions.jsonl'):
+    seen[json.loads(line)['category']] += 1
+    if seen[json.loads(line)['category']] <= int(sys.argv[1]):
+        print(line.strip())" "$MT_PER_CATEGORY" >"$W/mt_bench.jsonl"
+cat "$W/mt_bench.jsonl" <(head -n "$SHAREGPT" configs/demo/sharegpt_dummy_questions.jsonl) >"$W/general_prompts.jsonl"
+drop=$(echo "$HELD_OUT" | sed 's/\([^,]*\)/!\1/g')
+general=$(dl prepare --conversations "$W/general_prompts.jsonl" --categories "$drop" --name general "${regen[@]}" \
+            | field data_uri)
+lap "prepare general (regenerate + capture)"
+parent_run=$(dl finetune --data "$general" --init random --draft-vocab-size "$DRAFT_VOCAB" --gpus "$RANKS" --steps "$PARENT_STEPS" \
+               --tokens-per-batch "$TOKENS" --precision "$PRECISION" --lr 1e-3 --warmup-steps 20 --val-every "$VAL_EVERY" | field run_id)
+lap "finetune parent from random init"
+parent_export=$(dl export --run "$parent_run" --registered-model smollm2-general-drafter --layout midlayer \
+                  | field run_id)
+rm -rf "$W/parent" && "$PY" -c "import mlflow,sys; mlflow.artifacts.download_artifacts(run_id=sys.argv[1], \
+  artifact_path='midlayer', dst_path=sys.argv[2])" "$parent_export" "$W/parent" >/dev/null
+parent="$PWD/$W/parent/midlayer"
+lap "export parent (midlayer layout)"
+
+# 2. the team's traffic and the evaluation sets (held out: never trained on)
+team=$(dl prepare --conversations configs/demo/gsm8k_train_prompts.jsonl --max-samples "$GSM_TRAIN" --name team-gsm8k \
+         "${regen[@]}" | field data_uri)
+lap "prepare team traffic (GSM8K train)"
+evaluation=$(dl prepare --conversations configs/demo/gsm8k_test_prompts.jsonl --max-samples "$GSM_EVAL" \
+               --name evaluation "${regen[@]}" | field data_uri)
+mt_held=$(dl prepare --conversations "$W/mt_bench.jsonl" --categories "$HELD_OUT" \
+            --name mt-bench-held-out "${regen[@]}" | field data_uri)
+lap "prepare evaluation sets (GSM8K test, MT-Bench held out)"
+kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true   # free the cores for training
+
+# 3. the child: finetuned from the parent on the team's traffic, validated on the evaluation set
+child_run=$(dl finetune --data "$team" --init "$parent" --vocab rebuild --eval-data "$evaluation" --gpus "$RANKS" \
+              --steps "$CHILD_STEPS" --tokens-per-batch "$TOKENS" --precision "$PRECISION" --lr 5e-4 --warmup-steps 10 --val-every "$VAL_EVERY" \
+              | field run_id)
+lap "finetune child from the parent"
+ev=(--measured true --max-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_NEW")
+dl evaluate --target "$parent" --data "$evaluation" "${ev[@]}" >"$W/eval-parent-gsm8k.json"
+dl evaluate --target "runs:/$child_run" --data "$evaluation" "${ev[@]}" >"$W/eval-child-gsm8k.json"
+dl evaluate --target "$parent" --data "$mt_held" "${ev[@]}" >"$W/eval-parent-mtbench.json"
+dl evaluate --target "runs:/$child_run" --data "$mt_held" "${ev[@]}" >"$W/eval-child-mtbench.json"
+lap "evaluate parent and child (GSM8K test, MT-Bench held out)"
+version=$(dl export --run "$child_run" --registered-model smollm2-gsm8k-drafter | field version)
+lap "export child"
+promoted=true
+dl promote smollm2-gsm8k-drafter "$version" --to Production || promoted=false
+lap "promote"
+
+"$PY" - "$W" "$version" "$promoted" "$parent_run" "$child_run" <<'EOF' | tee "$W/summary.json"
+import json, sys
+w, version, promoted, parent_run, child_run = sys.argv[1:]
+def ev(name):
+    r = json.load(open(f"{w}/eval-{name}.json"))
+    return {k: r.get(k) for k in ("teacher_forced_acceptance_length", "measured_acceptance_length",
+                                  "acceptance_rate_per_position", "lossless", "prompts")}
+print(json.dumps({"model": f"models:/smollm2-gsm8k-drafter/{version}", "promoted": promoted == "true",
+                  "parent_finetune_run": parent_run, "child_finetune_run": child_run,
+                  "gsm8k_test": {"parent": ev("parent-gsm8k"), "child": ev("child-gsm8k")},
+                  "mt_bench_held_out": {"parent": ev("parent-mtbench"), "child": ev("child-mtbench")}}, indent=2))
+EOF
+echo
+echo "Open the UI with:  mlflow ui --backend-store-uri $MLFLOW_TRACKING_URI"
