@@ -43,7 +43,7 @@ def test_read_user_pulls_but_cannot_promote(workspace, server, request, monkeypa
     client = MlflowClient()
     client.create_registered_model("team-drafter")
     client.create_model_version("team-drafter", f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id,
-                                tags={**TAGS, "metric.val/acceptance_length": "1.5",
+                                tags={**TAGS, "metric.val/acceptance_length": "1.5", "metric.train/acceptance_length": "1.5",
                                       "export.sha256": export_digest(manifest)})
 
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "reader")
@@ -53,7 +53,7 @@ def test_read_user_pulls_but_cannot_promote(workspace, server, request, monkeypa
     assert pulled.exit_code == 0, pulled.output
     assert json.loads(pulled.stdout)["version"] == "1"
 
-    refused = runner.invoke(cli, ["promote", "team-drafter", "1", "--to", "Production"])
+    refused = runner.invoke(cli, ["promote", "team-drafter", "1", "--to", "Staging"])  # its policy passes
     assert refused.exit_code == 1
     assert "permission denied: reader may read team-drafter but not change its stages" in refused.output
     assert "Traceback" not in refused.output
