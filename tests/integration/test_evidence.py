@@ -1,7 +1,8 @@
 """Promotion on evidence, against a real `mlflow server`: an evaluation set built from prompts only (held-out
-demo prompts answered by the tiny verifier through its OpenAI-compatible server), the parent and two children
-measured on it (teacher-forced and by real chain speculative decoding), a child worse than its parent refused
-Production with the delta, a better one promoted, and the numbers on the versions' models."""
+demo prompts answered by the tiny verifier through its OpenAI-compatible server), the tiny parent, a child that
+beats it (promoted) and a second generation that is worse than that child, its parent (refused Production with
+the delta), each measured teacher-forced and by real chain speculative decoding, and the numbers on the
+versions' models."""
 
 import json
 from pathlib import Path
@@ -42,8 +43,6 @@ def test_promotion_on_evidence(server_workspace, tiny):
     steps = ("--gpus", "1", "--tokens-per-batch", "512", "--warmup-steps", "0", "--val-every", "10")
     good = invoke("finetune", "--data", train["data_uri"], "--init", "tiny", "--vocab", "rebuild", "--steps", "40",
                   "--lr", "3e-3", "--eval-data", ev["data_uri"], *steps)
-    bad = invoke("finetune", "--data", train["data_uri"], "--init", "tiny", "--steps", "4", "--lr", "0.05",
-                 "--val-fraction", "0", *steps)
     run = client.get_run(good["run_id"])
     # the parent measured before step 1, on the fixed evaluation set, and the best checkpoint handed on
     assert run.data.params["eval.data.digest"] == ev["digest"]
@@ -52,26 +51,29 @@ def test_promotion_on_evidence(server_workspace, tiny):
 
     child = invoke("evaluate", "--target", f"runs:/{good['run_id']}", *common)  # before export: carried over
     assert child["lossless"] is True
-    v_good = invoke("export", "--run", good["run_id"], "--registered-model", "ev-drafter")["version"]
-    v_bad = invoke("export", "--run", bad["run_id"], "--registered-model", "ev-drafter")["version"]
-    worse = invoke("evaluate", "--target", f"models:/ev-drafter/{v_bad}", *common)
-    assert worse["lossless"] is True  # a poor drafter accepts less; the output stays the verifier's own
-    assert worse["measured_acceptance_length"] < parent["measured_acceptance_length"]
-
-    refused = invoke("promote", "ev-drafter", v_bad, "--to", "Production", code=1)
-    assert "FAIL  eval/acceptance_length not worse than parent" in refused
-    delta = worse["measured_acceptance_length"] - parent["measured_acceptance_length"]
-    assert f"({delta:+.4f})" in refused and "nothing changed" in refused
-
     assert child["measured_acceptance_length"] > parent["measured_acceptance_length"], (child, parent)
-    promoted = invoke("promote", "ev-drafter", v_good, "--to", "Production")
+    v1 = invoke("export", "--run", good["run_id"], "--registered-model", "ev-drafter")["version"]
+    promoted = invoke("promote", "ev-drafter", v1, "--to", "Production")
     assert "PASS  eval/acceptance_length not worse than parent" in promoted
+
+    # generation 2, finetuned from v1 with a learning rate that wrecks it: worse than the parent it came from
+    bad = invoke("finetune", "--data", train["data_uri"], "--init", f"models:/ev-drafter/{v1}", "--steps", "4",
+                 "--lr", "0.05", "--val-fraction", "0", *steps)
+    v2 = invoke("export", "--run", bad["run_id"], "--registered-model", "ev-drafter")["version"]
+    worse = invoke("evaluate", "--target", f"models:/ev-drafter/{v2}", *common)
+    assert worse["lossless"] is True  # a poor drafter accepts less; the output stays the verifier's own
+    assert worse["measured_acceptance_length"] < child["measured_acceptance_length"], (worse, child)
+    refused = invoke("promote", "ev-drafter", v2, "--to", "Production", code=1)
+    assert "FAIL  eval/acceptance_length not worse than parent" in refused and "nothing changed" in refused
+    delta = worse["measured_acceptance_length"] - child["measured_acceptance_length"]
+    assert f"({delta:+.4f})" in refused
+    assert client.get_model_version_by_alias("ev-drafter", "production").version == v1
 
     # what the registry's compare-versions view shows: the version's model carries the evaluation, linked
     # to the evaluation data set; the recommended num_speculative_tokens went into the exported config
     from draftline.registry import model_id_of
 
-    mv = client.get_model_version("ev-drafter", v_good)
+    mv = client.get_model_version("ev-drafter", v1)
     metrics = {m.key: m for m in client.get_logged_model(model_id_of(mv)).metrics}
     measured = metrics["eval/measured/acceptance_length"]
     assert measured.dataset_name == "evaluation" and measured.dataset_digest == ev["digest"][:36]
