@@ -108,9 +108,8 @@ def _ignore_sigxfsz_and_limit(limit: int | None):
     return preexec
 
 
-# The export downloads the DeepSpeed checkpoint into TMPDIR before it writes the drafter there, and one
-# checkpoint file (the module states) is larger than the whole drafter: a limit set at start can only ever hit
-# the download. To fill the disk while the drafter is written, the limit is set when the process first opens
+# The export downloads the finetune run's handed-on weights into TMPDIR before it writes the drafter there, and
+# the weights file is as large as the drafter's: a limit set at start can only ever hit the download. To fill the disk while the drafter is written, the limit is set when the process first opens
 # a file under .../draftline-export-*/drafter/ for writing (save_pretrained writes config.json first).
 LIMIT_AT_DRAFTER = f"""
 import os, resource, sys
@@ -132,7 +131,7 @@ main()
 """
 
 
-@pytest.mark.parametrize("while_writing", ["checkpoint", "drafter"])
+@pytest.mark.parametrize("while_writing", ["weights", "drafter"])
 def test_a_full_disk_during_export_is_one_error_and_leaves_nothing_behind(pipeline, client, while_writing,
                                                                            tmp_path):
     exp = client.get_experiment_by_name(EXPERIMENT).experiment_id
@@ -142,7 +141,7 @@ def test_a_full_disk_during_export_is_one_error_and_leaves_nothing_behind(pipeli
     model = f"full-disk-{while_writing}"
     env = {**pipeline.env, "TMPDIR": str(tmpdir)}
     args = ("export", "--run", pipeline.ft["run_id"], "--registered-model", model)
-    if while_writing == "checkpoint":
+    if while_writing == "weights":
         r = _cli(env, tmp_path, pipeline.logs, *args, preexec_fn=_ignore_sigxfsz_and_limit(LIMIT))
     else:
         r = _cli(env, tmp_path, pipeline.logs, *args, preexec_fn=_ignore_sigxfsz_and_limit(None),
@@ -154,7 +153,7 @@ def test_a_full_disk_during_export_is_one_error_and_leaves_nothing_behind(pipeli
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, r.stderr[-4000:]
     where = re.escape(f"{tmpdir}/draftline-export-") + r"\w+" + (
-        r"/checkpoints/step1/[^ ]+\.pt" if while_writing == "checkpoint" else "/drafter")
+        r"/weights/(weights/)?model\.safetensors" if while_writing == "weights" else "/drafter")
     assert re.fullmatch(
         rf"error: file too large while writing {where} \(over the file size limit, `ulimit -f`, or the largest "
         r"file its file system takes\): raise the limit or point TMPDIR elsewhere", errors[0]), errors[0]
