@@ -184,3 +184,15 @@ def server_workspace(workspace, mlflow_server, monkeypatch):
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+@pytest.fixture()
+def mechanics_policies(tmp_path_factory, monkeypatch):
+    """Policies with the integrity rules only (no evaluation gate), for tests of the registry's mechanics
+    (races, fleets, restarts) on versions nobody evaluated; DRAFTLINE_REGISTRY_POLICIES reaches subprocesses."""
+    folder = tmp_path_factory.mktemp("policies")
+    for stage in ("Production", "Staging"):
+        (folder / f"{stage.lower()}.yaml").write_text(f"stage: {stage}\n"
+                                                     "export_validated: false\n")
+    monkeypatch.setenv("DRAFTLINE_REGISTRY_POLICIES", str(folder))
+    return folder

@@ -54,10 +54,16 @@ class RuleResult:
     detail: str
 
 
+POLICIES_ENV = "DRAFTLINE_REGISTRY_POLICIES"  # a folder of <stage>.yaml kept by the team (default: the shipped ones)
+
+
 def policy_path(stage: str) -> Path:
+    import os
+
     from draftline.config import shipped
 
-    return shipped("registry_policies", f"{stage.lower()}.yaml")
+    folder = os.environ.get(POLICIES_ENV)
+    return Path(folder) / f"{stage.lower()}.yaml" if folder else shipped("registry_policies", f"{stage.lower()}.yaml")
 
 
 def load_policy(path: Path | str) -> Policy:

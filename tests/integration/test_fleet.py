@@ -32,7 +32,7 @@ def _pod_user(uri: str) -> tuple[str, str]:
     return user
 
 
-def test_eight_pods_pull_production_while_it_moves(team_server, monkeypatch, tmp_path):
+def test_eight_pods_pull_production_while_it_moves(team_server, monkeypatch, tmp_path, mechanics_policies):
     """Every pull ends with the complete, verified directory of one version that held Production at some
     moment during that pull, never a mix; the cache four of them share holds only whole blobs."""
     from mlflow import MlflowClient
@@ -93,7 +93,7 @@ def _one_message(r_err: str) -> bool:
     return "Traceback" not in r_err and sum(line.startswith("error: ") for line in r_err.splitlines()) == 1
 
 
-def test_a_server_restarted_mid_pull_and_mid_promotion(restartable, monkeypatch, tmp_path):
+def test_a_server_restarted_mid_pull_and_mid_promotion(restartable, monkeypatch, tmp_path, mechanics_policies):
     """Pulls cut off by a crashed server try again and finish (or stop with one message, exit 75); a
     promotion cut off the same way ends with stage and alias in agreement."""
     import mlflow
@@ -135,7 +135,7 @@ def test_a_server_restarted_mid_pull_and_mid_promotion(restartable, monkeypatch,
 
     # mid-promotion: kill the server while the promoter holds the lock, start it again
     promoter = subprocess.Popen([sys.executable, "-m", "draftline.cli", "promote", name, "2", "--to", "Production"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                env={**env, "DRAFTLINE_REGISTRY_POLICIES": str(mechanics_policies)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lock = name + "--draftline-promotion-lock"
     deadline = time.monotonic() + 300
     while not any(m.name == lock for m in client.search_registered_models()):
