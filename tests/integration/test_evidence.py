@@ -26,6 +26,7 @@ def invoke(*args, code=0):
     return json.loads(r.stdout) if code == 0 and r.stdout.lstrip().startswith("{") else r.output
 
 
+@pytest.mark.timeout(2400)  # two regenerations, two finetunes, four evaluations: ~6 min quiet, far more under load
 def test_promotion_on_evidence(server_workspace, tiny):
     client = MlflowClient()
     verifier = str(tiny["verifier"])

@@ -283,7 +283,7 @@ def test_credentials_reach_no_param_tag_artifact_version_or_log(pipeline, client
     # the scan covered what it should: every stage's logs, runs, artifacts and the registered version
     assert {w.split(" (")[0] for w in corpus if w.startswith("draftline ")} >= {
         "draftline prepare", "draftline finetune", "draftline export"}
-    assert f"run {pipeline.ft['run_id']} artifact checkpoints/latest" in corpus
+    assert f"run {pipeline.ft['run_id']} artifact weights/selection.json" in corpus  # the handed-on weights
     from draftline.registry import model_id_of
 
     drafter = model_id_of(client.get_model_version("faults-drafter", ex["version"]))
