@@ -1,8 +1,8 @@
 """Promotion on evidence, against a real `mlflow server`: an evaluation set built from prompts only (held-out
 demo prompts answered by the tiny verifier through its OpenAI-compatible server), the tiny parent, a child that
-beats it (promoted) and a second generation that is worse than that child, its parent (refused Production with
-the delta), each measured teacher-forced and by real chain speculative decoding, and the numbers on the
-versions' models."""
+beats it (promoted) and a drafter worse than the version in Production (refused with the delta), each measured
+teacher-forced and by real chain speculative decoding, and the numbers on the versions' models. The rule
+against the parent failing is tested in unit/test_registry.py."""
 
 import json
 from pathlib import Path
@@ -57,17 +57,17 @@ def test_promotion_on_evidence(server_workspace, tiny):
     promoted = invoke("promote", "ev-drafter", v1, "--to", "Production")
     assert "PASS  eval/acceptance_length not worse than parent" in promoted
 
-    # generation 2, finetuned from v1 with a learning rate that wrecks it: worse than the parent it came from
-    bad = invoke("finetune", "--data", train["data_uri"], "--init", f"models:/ev-drafter/{v1}", "--steps", "4",
-                 "--lr", "0.05", "--val-fraction", "0", *steps)
+    # a drafter barely moved from the tiny parent (one step): no worse than that parent, but worse than the
+    # version serving now, measured on the same set: refused, with the numbers and the delta
+    bad = invoke("finetune", "--data", train["data_uri"], "--init", "tiny", "--steps", "1", "--lr", "5e-4",
+                 "--val-fraction", "0", *steps)
     v2 = invoke("export", "--run", bad["run_id"], "--registered-model", "ev-drafter")["version"]
     worse = invoke("evaluate", "--target", f"models:/ev-drafter/{v2}", *common)
     assert worse["lossless"] is True  # a poor drafter accepts less; the output stays the verifier's own
-    assert worse["measured_acceptance_length"] < child["measured_acceptance_length"], (worse, child)
+    assert worse["measured_acceptance_length"] < child["measured_acceptance_length"] - 0.02, (worse, child)
     refused = invoke("promote", "ev-drafter", v2, "--to", "Production", code=1)
-    assert "FAIL  eval/acceptance_length not worse than parent" in refused and "nothing changed" in refused
-    delta = worse["measured_acceptance_length"] - child["measured_acceptance_length"]
-    assert f"({delta:+.4f})" in refused
+    assert "FAIL  eval/acceptance_length not worse than current Production - 0.02" in refused, refused
+    assert "vs current Production" in refused and "(-0." in refused and "nothing changed" in refused
     assert client.get_model_version_by_alias("ev-drafter", "production").version == v1
 
     # what the registry's compare-versions view shows: the version's model carries the evaluation, linked
