@@ -79,6 +79,10 @@ def run(shape: str = "tiny", tokens: int = 512, iters: int = 8, warmup: int = 2,
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": "29517"}.items():
         os.environ.setdefault(k, v)
+    if not cuda:
+        from draftline.train.worker import no_shm_allreduce
+
+        no_shm_allreduce()  # as finetune's ranks do
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     device = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -52,7 +52,11 @@ def test_eight_pods_pull_production_while_it_moves(team_server, monkeypatch, tmp
     mover.stop()
 
     assert not mover.errors, mover.errors
-    assert len(mover.changes) >= 3, "the registry hardly moved during the pulls"
+    # On a loaded 2-core machine a promotion can wait tens of seconds behind the pulls' requests, so how many
+    # changes land varies; what the test needs is that the registry moved while pulls were in flight.
+    first, last = min(p.started for p in pulls), max(p.ended for p in pulls)
+    assert any(began < last and ended > first for began, ended, _ in mover.changes), \
+        f"no promotion or rollback landed while the pulls ran: {mover.changes}"
     problems, versions = [], set()
     for p in pulls:
         result = p.result()

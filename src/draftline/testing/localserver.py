@@ -42,7 +42,9 @@ def start_mlflow_server(root: Path, extra: list[str] = (), env: dict | None = No
          "--backend-store-uri", backend_store_uri or f"sqlite:///{root / 'mlflow.db'}",
          "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
          "--workers", str(workers), *extra],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        # no job runner: three more processes per server (MLflow 3's huey consumers) that nothing here uses
+        env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ, **(env or {})})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

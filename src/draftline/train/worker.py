@@ -92,6 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def no_shm_allreduce() -> None:
+    """Keep DeepSpeed's CPU all-reduce on gloo. Its shared-memory kernel (``deepspeed_shm_comm``) is compiled
+    on first use (minutes on 2 cores, under a lock file that a killed rank leaves behind, hanging every later
+    run) and creates a 66 MiB ``/dev/shm`` buffer per rank that it never unlinks: RAM lost for good on every
+    CPU run. On a GPU it is not used at all."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def train(spec: WorkerSpec) -> None:
     import deepspeed
     from mlflow import MlflowClient
@@ -114,6 +124,8 @@ def train(spec: WorkerSpec) -> None:
     from draftline.train.signals import install_rank_handlers, stop_requested
 
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    if not on_gpu:
+        no_shm_allreduce()
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
