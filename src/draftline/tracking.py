@@ -62,6 +62,15 @@ def setup(experiment: str | None = None, *, select_experiment: bool = True) -> s
     return uri
 
 
+def run_link(experiment_id: str, run_id: str, uri: str | None = None) -> str:
+    """Where to see a run in the MLflow UI: the server's page, or (a local store) how to open the UI on it."""
+    uri = uri or tracking_uri()
+    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/{page}"
+    return f"http://127.0.0.1:5000/{page} (after `mlflow ui --backend-store-uri {uri}`)"
+
+
 def check_reachable(uri: str) -> None:
     if not uri.startswith(("http://", "https://")):
         return

@@ -223,6 +223,8 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune-{cfg.init}", run_id=resume_run,
                                                system_metrics=True) as active:
         run_id = active.info.run_id
+        print(f"[draftline] finetune run {run_id}: {tracking.run_link(active.info.experiment_id, run_id)}",
+              file=sys.stderr, flush=True)
         work = work_dir() / run_id
         work.mkdir(parents=True, exist_ok=True)
         data_run_id = tracking.parse_run_ref(cfg.data)[0] if cfg.data.startswith("runs:/") else None
