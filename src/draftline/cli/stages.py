@@ -108,10 +108,10 @@ def main_cmd(conversations, verifier, init, registered_model, overrides, no_cach
         fields = {"prepare": PrepareConfig, "finetune": FinetuneConfig, "export": ExportConfig}[step].model_fields
         name = name.replace("-", "_")
         if name not in fields:
-            import difflib
+            from draftline.config import suggest
 
-            near = difflib.get_close_matches(name, fields, n=1)
-            raise click.BadParameter(f"{step} has no setting {name!r}" + (f"; did you mean {step}.{near[0]}?" if near
+            near = suggest(name, fields)
+            raise click.BadParameter(f"{step} has no setting {name!r}" + (f"; did you mean {step}.{near}?" if near
                                      else f"; see draftline {step} --help"), param_hint="--set")
         extra.setdefault(step, {})[name] = value
     _result(run_main, conversations=conversations, verifier=verifier, init=init,
