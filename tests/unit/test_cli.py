@@ -94,7 +94,7 @@ def test_bad_aux_layers(run):
 
 
 def test_inspect_describes_the_tiny_parent(run, tiny):
-    r = run("inspect", str(tiny["parent"]))
+    r = run("inspect", "--json", str(tiny["parent"]))
     assert r.exit_code == 0
     info = json.loads(r.output)
     assert info["layout"] == "midlayer" and info["hidden_size"] == 128 and info["draft_vocab_size"] == 256
