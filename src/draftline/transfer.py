@@ -241,6 +241,9 @@ def _install(staging: Path, dest: Path) -> None:
     if not dest.exists():
         os.replace(staging, dest)
         staging.mkdir()  # TemporaryDirectory removes it on exit
+        umask = os.umask(0)
+        os.umask(umask)
+        dest.chmod(0o777 & ~umask)  # a new folder as mkdir makes it, not the staging folder's 0700
         return
     for p in sorted(staging.rglob("*"), key=lambda p: p.name == CHECKSUMS):  # the manifest last
         if p.is_file():

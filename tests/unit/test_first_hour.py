@@ -116,3 +116,33 @@ def test_inspect_reads_headers_only_for_a_version_and_a_finetune_run(store, tiny
     assert "described: the weights the run handed on" in info["note"]
     human = _invoke("inspect", "models:/tiny-drafter/1").output
     assert "models:/tiny-drafter/1: EAGLE-3 drafter, midlayer layout" in human and "bytes downloaded" in human
+
+
+def test_every_option_of_every_command_has_help():
+    import click
+
+    from draftline.cli import cli as group
+
+    missing = []
+    for name, command in group.commands.items():
+        for param in command.params:
+            if isinstance(param, click.Option) and not param.hidden and not (param.help or "").strip():
+                missing.append(f"{name} {param.opts[0]}")
+    missing += [f"draftline {p.opts[0]}" for p in group.params
+                if isinstance(p, click.Option) and not (p.help or "").strip()]
+    assert missing == []
+
+
+def test_a_new_pull_folder_is_made_as_mkdir_would_make_it(tiny, tmp_path):
+    import os
+    import stat
+
+    from draftline.transfer import fetch_directory
+
+    drafter = _exported(tiny, tmp_path, pad_mib=0)
+    old = os.umask(0o022)
+    try:
+        fetch_directory(str(drafter), tmp_path / "pulled", cache=None, progress=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "pulled").stat().st_mode) == 0o755
