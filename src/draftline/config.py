@@ -220,6 +220,8 @@ def load_file(file: str | Path) -> dict[str, Any]:
 def resolve(model: type[BaseModel], *, flags: dict[str, Any] | None = None, file: str | Path | None = None):
     """flag > config file > default. ``None`` flags do not override. Raises :class:`ConfigError`."""
     values: dict[str, Any] = load_file(file) if file else {}
+    if file:
+        check_keys(model, values, f"config file {file}")
     values.update({k: v for k, v in (flags or {}).items() if v is not None})
     try:
         return model(**values)
@@ -227,3 +229,42 @@ def resolve(model: type[BaseModel], *, flags: dict[str, Any] | None = None, file
         lines = [f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
         raise ConfigError(f"invalid {model.__name__.removesuffix('Config').lower()} settings:\n  "
                           + "\n  ".join(lines)) from None
+
+
+# names other trainers give a setting (Hugging Face TrainingArguments, DeepSpeed, speculators) -> ours
+SYNONYMS = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "train_steps": "steps",
+            "num_train_steps": "steps", "warmup": "warmup_steps", "lr_warmup_steps": "warmup_steps",
+            "max_grad_norm": "grad_clip", "gradient_clipping": "grad_clip", "clip_grad_norm": "grad_clip",
+            "logging_steps": "log_every", "save_steps": "save_every", "eval_steps": "val_every",
+            "num_gpus": "gpus", "world_size": "gpus", "stage": "zero_stage", "zero": "zero_stage",
+            "parent": "init", "init_from": "init", "dataset": "data", "train_data": "data", "model": "target",
+            "num_draft_tokens": "num_speculative_tokens", "ttt": "ttt_steps", "dtype": "precision",
+            "max_seq_len": "max_length", "max_seq_length": "max_length", "model_name": "registered_model"}
+
+
+def suggest(name: str, known) -> str | None:
+    """The known name closest to ``name`` (a synonym from other trainers first), or None."""
+    import difflib
+
+    known = list(known)
+    key = name.replace("-", "_")
+    if key in known:
+        return key
+    if SYNONYMS.get(key) in known:
+        return SYNONYMS[key]
+    near = difflib.get_close_matches(key, known, n=1)
+    return near[0] if near else None
+
+
+def check_keys(model: type[BaseModel], values: dict[str, Any], where: str) -> None:
+    """Refuse a key ``model`` does not have, in one sentence naming the closest one."""
+    stage = model.__name__.removesuffix("Config").lower()
+    unknown = [k for k in values if k not in model.model_fields]
+    if not unknown:
+        return
+    hints = []
+    for k in unknown:
+        near = suggest(str(k), model.model_fields)
+        hints.append(f"{k!r}" + (f" (did you mean {near!r}?)" if near else ""))
+    raise ConfigError(f"{where}: {stage} has no setting {', '.join(hints)}; `draftline {stage} --help` lists "
+                      "them")

@@ -15,6 +15,7 @@ Export and evaluate read ``weights/``. Another checkpoint (``--checkpoint last``
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import re
 import sys
@@ -74,7 +75,11 @@ def consolidate(ckpt_dir: Path, tag: str | None = None) -> dict[str, torch.Tenso
         raise CheckpointError(f"{ckpt_dir} holds no DeepSpeed checkpoint (no 'latest' file)")
     if tag is not None and not (Path(ckpt_dir) / tag).is_dir():
         raise CheckpointError(f"{ckpt_dir} holds no DeepSpeed checkpoint {tag}")
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints progress to stdout
+    from draftline.console import loud
+
+    # DeepSpeed prints its progress to stdout and a bar to stderr: shown with -v only
+    sink = sys.stderr if loud() else io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
 
 

@@ -42,6 +42,7 @@ def render(chain: list[dict]) -> str:
         if g["kind"] != "version":
             continue
         metrics = ", ".join(f"{k}={v:.3f}" for k, v in g["metrics"].items())
-        lines.append(f"  {g['uri']} [{g['stage']}]: data {str(g['data_digest'])[:12]}, vocab {g['vocab_policy']}, "
+        stage = f" [{g['stage']}]" if g["stage"] not in (None, "", "None") else ""
+        lines.append(f"  {g['uri']}{stage}: data {str(g['data_digest'])[:12]}, vocab {g['vocab_policy']}, "
                      f"finetune run {g['finetune_run_id']}" + (f"; {metrics}" if metrics else ""))
     return "\n".join(lines)

@@ -7,6 +7,7 @@ or not at all; if waiting for it fails, it is deleted again. Where versions stan
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import re
@@ -36,20 +37,51 @@ def resolve_version(client, uri: str):
         raise RegistryError(f"{uri} is not a registry URI: use models:/NAME/VERSION, models:/NAME/STAGE or "
                             "models:/NAME@alias")
     name, ref, alias = m["name"], m["ref"], m["alias"]
+    stage = None if alias or ref.isdigit() else ref.capitalize()
+    if stage is not None and stage not in STAGES:
+        near = difflib.get_close_matches(stage, STAGES, n=1, cutoff=0.5)
+        raise RegistryError(f"{uri} does not resolve: {ref!r} is not a version number or a stage "
+                            f"({', '.join(STAGES)})" + (f"; did you mean {near[0]!r}?" if near else ""))
     try:
         if alias:
             return name, client.get_model_version_by_alias(name, alias)
-        if ref.isdigit():
+        if stage is None:
             return name, client.get_model_version(name, ref)
-        stage = ref.capitalize()
         latest = client.get_latest_versions(name, stages=[stage])
     except Exception as e:  # noqa: BLE001
         if unavailable(e):
             raise
-        raise RegistryError(f"{uri} does not resolve: {mlflow_error(e)}") from None
+        raise RegistryError(f"{uri} does not resolve on {registry_uri()}: {mlflow_error(e)}"
+                            + unknown_model_hint(client, name)) from None
     if not latest:
-        raise RegistryError(f"{uri} does not resolve: no version of {name} is in stage {stage}")
+        raise RegistryError(f"{uri} does not resolve on {registry_uri()}: no version of {name} is in stage {stage}")
     return name, latest[0]
+
+
+STAGES = ("Staging", "Production", "Archived", "None")
+
+
+def registry_uri() -> str:
+    import mlflow
+
+    return mlflow.get_registry_uri()
+
+
+def unknown_model_hint(client, name: str) -> str:
+    """``; did you mean 'x'?`` when ``name`` is not a registered model and one is close; else ``""``."""
+    try:
+        client.get_registered_model(name)
+        return ""
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        names = [m.name for m in client.search_registered_models()]
+    except Exception:  # noqa: BLE001
+        return ""
+    near = difflib.get_close_matches(name, names, n=1)
+    if near:
+        return f"; did you mean {near[0]!r}?"
+    return "; `draftline list` shows the registered models there" if names else "; it holds no registered models"
 
 
 def model_id_of(mv) -> str | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from draftline.errors import RegistryError
 from draftline.lineage import HEADLINE_METRICS, VERSION_TAG_PARAMS
 from draftline.promotion import LOCK_SUFFIX
-from draftline.registry import mlflow_error, model_id_of, resolve_version
+from draftline.registry import mlflow_error, model_id_of, registry_uri, resolve_version, unknown_model_hint
 
 HEADLINE = HEADLINE_METRICS[0]  # val/acceptance_length
 
@@ -34,8 +34,9 @@ def list_versions(client, name: str) -> list[dict]:
     try:
         model = client.get_registered_model(name)
     except Exception as e:  # noqa: BLE001
-        raise RegistryError(f"registered model {name} does not exist: {mlflow_error(e)}; `draftline list` shows "
-                            "the models there are") from None
+        hint = unknown_model_hint(client, name) or "; `draftline list` shows the models there are"
+        raise RegistryError(f"registered model {name} does not exist on {registry_uri()}: {mlflow_error(e)}"
+                            + hint) from None
     aliases = _aliases_of(model)
     rows = []
     for v in sorted(client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version)):

@@ -62,6 +62,44 @@ def setup(experiment: str | None = None, *, select_experiment: bool = True) -> s
     return uri
 
 
+def store_path(uri: str) -> Path | None:
+    """The local file or folder a tracking URI names (``sqlite:///…``, ``file:…``, a bare path), else None."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):] if uri.startswith("sqlite:////") else uri[len("sqlite://"):])
+    if uri.startswith("file:"):
+        return Path(uri[len("file:"):].removeprefix("//"))
+    if "://" not in uri and not uri.startswith(("databricks", "uc:")):
+        return Path(uri)
+    return None
+
+
+def require_store(uri: str | None = None) -> str:
+    """For commands that only read: refuse a local tracking store that does not exist (MLflow would create an
+    empty one, then find nothing in it)."""
+    uri = uri or tracking_uri()
+    path = store_path(uri)
+    if path is not None and not path.exists():
+        raise TrackingError(f"no tracking store at {uri} (nothing was created): run this where your mlflow.db is, "
+                            "or point MLFLOW_TRACKING_URI at your store or server, e.g. export "
+                            "MLFLOW_TRACKING_URI=http://mlflow.example:5000 or sqlite:////abs/path/mlflow.db")
+    return uri
+
+
+def setup_read_only() -> str:
+    """:func:`setup` for the commands that only read (no experiment selected, no store created)."""
+    require_store()
+    return setup(select_experiment=False)
+
+
+def run_link(experiment_id: str, run_id: str, uri: str | None = None) -> str:
+    """Where to see a run in the MLflow UI: the server's page, or (a local store) how to open the UI on it."""
+    uri = uri or tracking_uri()
+    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if uri.startswith(("http://", "https://")):
+        return f"{uri.rstrip('/')}/{page}"
+    return f"http://127.0.0.1:5000/{page} (after `mlflow ui --backend-store-uri {uri}`)"
+
+
 def check_reachable(uri: str) -> None:
     if not uri.startswith(("http://", "https://")):
         return

@@ -174,8 +174,10 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
                 _place(blob, staging / name)
         from tqdm.auto import tqdm
 
+        from draftline.console import bar_kwargs
+
         with ThreadPoolExecutor(4, thread_name_prefix="draftline-pull") as pool, \
-                tqdm(desc="pull (sha256 while downloading)", unit="B", unit_scale=True, disable=not (progress and todo),
+                tqdm(desc="pull (sha256 while downloading)", unit="B", unit_scale=True, **bar_kwargs(progress and bool(todo)),
                      file=sys.stderr) as bar:
             for size in pool.map(lambda item: _fetch_one(base_uri, *item, staging, cache, bar.update), todo):
                 stats["downloaded_bytes"] += size
@@ -239,6 +241,9 @@ def _install(staging: Path, dest: Path) -> None:
     if not dest.exists():
         os.replace(staging, dest)
         staging.mkdir()  # TemporaryDirectory removes it on exit
+        umask = os.umask(0)
+        os.umask(umask)
+        dest.chmod(0o777 & ~umask)  # a new folder as mkdir makes it, not the staging folder's 0700
         return
     for p in sorted(staging.rglob("*"), key=lambda p: p.name == CHECKSUMS):  # the manifest last
         if p.is_file():

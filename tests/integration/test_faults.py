@@ -46,7 +46,7 @@ def _cli(env: dict, cwd: Path, logs: list, *args, preexec_fn=None, python_code: 
     stdout and stderr are kept in ``logs`` for the secret scan."""
     head = [sys.executable, "-c", python_code] if python_code else [sys.executable, "-m", "draftline.cli"]
     started = time.monotonic()
-    r = subprocess.run([*head, "-v", *map(str, args)], env=env, cwd=cwd, capture_output=True, text=True,
+    r = subprocess.run([*head, "-vv", *map(str, args)], env=env, cwd=cwd, capture_output=True, text=True,
                        preexec_fn=preexec_fn, timeout=900)
     logs.append((f"draftline {args[0]} ({time.monotonic() - started:.0f} s)", r.stdout, r.stderr))
     return r

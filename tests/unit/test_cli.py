@@ -80,7 +80,7 @@ def test_config_file_typo_is_a_usage_error(run, tmp_path):
     cfg.write_text("data: /x\nzero_stag: 3\n")
     r = run("finetune", "--config", str(cfg))
     assert r.exit_code == 2
-    assert "zero_stag: Extra inputs are not permitted" in r.output
+    assert "finetune has no setting 'zero_stag' (did you mean 'zero_stage'?)" in r.output
 
 
 def test_out_of_range_flag_names_the_field(run):
@@ -94,7 +94,7 @@ def test_bad_aux_layers(run):
 
 
 def test_inspect_describes_the_tiny_parent(run, tiny):
-    r = run("inspect", str(tiny["parent"]))
+    r = run("inspect", "--json", str(tiny["parent"]))
     assert r.exit_code == 0
     info = json.loads(r.output)
     assert info["layout"] == "midlayer" and info["hidden_size"] == 128 and info["draft_vocab_size"] == 256

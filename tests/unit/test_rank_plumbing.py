@@ -67,3 +67,52 @@ def test_a_changed_shard_is_found_by_the_rank_that_checks_it_and_by_verify_data(
     assert r.exit_code == 1 and f"shard {shards[1].name}" in r.output
     ok = CliRunner().invoke(cli, ["verify-data", str(prepared)])
     assert ok.exit_code == 0 and json.loads(ok.output)["shards"] == len(shards)
+
+
+def test_at_the_default_verbosity_only_draftlines_own_rank_lines_reach_the_terminal(tmp_path):
+    shown = io.StringIO()
+    out = RankOutput(tmp_path / "ranks.log", stream=shown, level="warning")
+    lines = ["[2026-01-01] [INFO] [launch.py:152:main] WORLD INFO DICT: {'localhost': [0, 1]}\n",
+             "[rank0]: [draftline] resumed from /w/checkpoints at step 4\n", "Processing zero checkpoint\n"]
+    for line in lines:
+        out.write(line)
+    out.close()
+    assert shown.getvalue() == "[draftline] resumed from /w/checkpoints at step 4\n"
+    assert (tmp_path / "ranks.log").read_text() == "".join(lines)
+
+
+def _record(step, **metrics):
+    return {"step": step, "timestamp": 0, "metrics": metrics}
+
+
+def test_the_progress_line_off_a_terminal_is_a_plain_line_at_the_start_every_n_seconds_and_at_the_end():
+    from draftline.train.progress import Progress
+
+    now = [0.0]
+    shown = io.StringIO()
+    p = Progress(40, shown, tty=False, every_s=10, clock=lambda: now[0])
+    p.update(_record(0, **{"val/acceptance_length": 1.05}))
+    for step in range(1, 41):
+        now[0] = step * 1.0
+        p.update(_record(step, **{"train/loss": 5.0, "train/full_acc_0": 0.25, "train/acceptance_length": 1.3,
+                                  "train/tokens_per_s": 800.0}))
+    p.close()
+    lines = shown.getvalue().splitlines()
+    assert [ln.split()[2] for ln in lines] == ["1/40", "11/40", "21/40", "31/40", "40/40"]
+    assert lines[1] == ("[draftline] step 11/40  loss 5.000  full_acc_0 0.250  acceptance 1.30 (val 1.05)  "
+                        "800 tok/s  ETA 0:29")
+    assert lines[-1].endswith("done in 0:39")
+
+
+def test_the_progress_line_on_a_terminal_is_redrawn_in_place_with_other_output_above_it():
+    from draftline.train.progress import Progress
+
+    shown = io.StringIO()
+    p = Progress(2, shown, tty=True)
+    p.update(_record(1, **{"train/loss": 5.0}))
+    p.write("[draftline] something happened\n")
+    p.update(_record(2, **{"train/loss": 4.0}))
+    p.close()
+    text = shown.getvalue()
+    assert text.count("\r\x1b[K") == 3 and text.endswith("step 2/2  loss 4.000  done in 0:00\n")
+    assert "\r\x1b[K[draftline] something happened\n[draftline] step 1/2" in text

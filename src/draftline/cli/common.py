@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging
 import os
 import sys
 import typing
@@ -19,7 +18,6 @@ import click
 
 from draftline.errors import DraftlineError
 
-os.environ.setdefault("LOGURU_LEVEL", "WARNING")  # speculators logs every file it opens at INFO
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -166,17 +164,19 @@ def _settings(model, config_file, flags):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="draftline")
-@click.option("-v", "--verbose", is_flag=True, help="Log at DEBUG level.")
-def cli(verbose: bool):
+@click.option("-v", "--verbose", count=True, help="Show the libraries' warnings and INFO logs (-vv: DEBUG too); "
+              "the same as DRAFTLINE_LOG=info (or debug). Quiet by default.")
+def cli(verbose: int):
     """draftline: EAGLE-3 drafters made from a verifier's own outputs, finetuned from a parent drafter with
     DeepSpeed ZeRO, and shipped with their lineage through the MLflow Model Registry to vLLM.
 
     \b
     Pipeline:  prepare -> finetune -> export (registers a version) -> promote -> pull
     Tracking:  MLFLOW_TRACKING_URI (default: sqlite:///$PWD/mlflow.db); experiment: DRAFTLINE_EXPERIMENT
+    Verbosity: quiet by default; -v or DRAFTLINE_LOG=info|debug shows the libraries' warnings and logs
     """
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(levelname)s %(message)s")
-    for chatty in ("httpx", "httpcore", "urllib3"):  # one line per HTTP request otherwise
-        logging.getLogger(chatty).setLevel(logging.DEBUG if verbose else logging.WARNING)
+    from draftline import console
+
+    console.configure(verbose)
 
 

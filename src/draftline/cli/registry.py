@@ -15,7 +15,7 @@ def _client():
 
     from draftline import tracking
 
-    tracking.setup(select_experiment=False)  # the registry's commands log no runs
+    tracking.setup_read_only()  # the registry's commands log no runs, and never create a tracking store
     return MlflowClient()
 
 

@@ -108,10 +108,10 @@ def main_cmd(conversations, verifier, init, registered_model, overrides, no_cach
         fields = {"prepare": PrepareConfig, "finetune": FinetuneConfig, "export": ExportConfig}[step].model_fields
         name = name.replace("-", "_")
         if name not in fields:
-            import difflib
+            from draftline.config import suggest
 
-            near = difflib.get_close_matches(name, fields, n=1)
-            raise click.BadParameter(f"{step} has no setting {name!r}" + (f"; did you mean {step}.{near[0]}?" if near
+            near = suggest(name, fields)
+            raise click.BadParameter(f"{step} has no setting {name!r}" + (f"; did you mean {step}.{near}?" if near
                                      else f"; see draftline {step} --help"), param_hint="--set")
         extra.setdefault(step, {})[name] = value
     _result(run_main, conversations=conversations, verifier=verifier, init=init,
@@ -132,11 +132,16 @@ def verify_data(data_dir):
 @cli.command()
 @click.argument("target")
 @click.option("--allow-pickle", is_flag=True, help="Read a pickle-only checkpoint (weights_only=True).")
-def inspect(target, allow_pickle):
-    """Describe a drafter checkpoint (directory, runs:/ or models:/ URI) without loading it."""
-    from draftline.inspect import describe
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def inspect(target, allow_pickle, as_json):
+    """Describe a drafter checkpoint (a directory, runs:/<finetune run>[/weights|/checkpoints] or models:/…)
+    from its headers alone: no weights are loaded, and for runs:/ and models:/ only the headers are downloaded
+    (files already in the pull cache are read there)."""
+    from draftline.inspect import describe, render
 
-    _result(describe, target, allow_pickle=allow_pickle)
+    with _stdout_to_stderr():
+        out = describe(target, allow_pickle=allow_pickle)
+    click.echo(json.dumps(out, indent=2) if as_json else render(out))
 
 
 @cli.command()

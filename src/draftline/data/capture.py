@@ -77,6 +77,8 @@ def capture_hidden_states(verifier, samples, aux_layer_ids, batch_size: int = 8,
     """All records as a list (for small data; ``prepare`` streams them into shards instead)."""
     from tqdm.auto import tqdm
 
+    from draftline.console import bar_kwargs
+
     samples = list(samples)
     it = iter_hidden_states(verifier, samples, aux_layer_ids, batch_size)
-    return list(tqdm(it, total=len(samples), desc="hidden states", unit="sample", disable=not progress))
+    return list(tqdm(it, total=len(samples), desc="hidden states", unit="sample", **bar_kwargs(progress)))

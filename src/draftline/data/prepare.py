@@ -82,6 +82,7 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoTokenizer
 
+    from draftline.console import bar_kwargs
     from draftline.data.conversations import is_prompt, load_conversations, select_categories
     from draftline.data.tokenize import tokenize_conversations
 
@@ -128,7 +129,7 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     total_tokens = sum(len(t.input_ids) for t in tokenized)
     stream = _hidden_state_stream(cfg, verifier_path, config, tokenized[writer.done_samples:], aux)
     with tqdm(total=total_tokens, initial=writer.done_tokens, desc="verifier hidden states", unit="tok",
-              disable=not progress) as bar:
+              **bar_kwargs(progress)) as bar:
         for i, rec in enumerate(stream, start=1):
             writer.add(rec)
             bar.update(rec["input_ids"].numel())

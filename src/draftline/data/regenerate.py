@@ -172,6 +172,8 @@ async def _run(samples: list[dict], todo: list[int], partial: Path, endpoint: st
                ) -> tuple[dict[int, dict], dict[int, str]]:
     from tqdm.auto import tqdm
 
+    from draftline.console import bar_kwargs
+
     new: dict[int, dict] = {}
     failures: dict[int, str] = {}
     pending = iter(todo)
@@ -180,7 +182,7 @@ async def _run(samples: list[dict], todo: list[int], partial: Path, endpoint: st
                                  limits=httpx.Limits(max_connections=concurrency)) as client:
         with open(partial, "a", encoding="utf-8") as f, \
                 tqdm(total=len(samples), initial=len(samples) - len(todo), desc="regenerating", unit="conv",
-                     disable=not progress) as bar:
+                     **bar_kwargs(progress)) as bar:
 
             async def worker() -> None:
                 for i in pending:

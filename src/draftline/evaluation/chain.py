@@ -207,6 +207,7 @@ def measure_chain(verifier, drafter, prompts: list[list[int]], *, k: int, max_ne
     output against the verifier's own greedy output. ``seconds`` covers the speculative decoding only."""
     from tqdm.auto import tqdm
 
+    from draftline.console import bar_kwargs
     from draftline.evaluation.proposer import Eagle3Proposer
 
     eos = set(eos_token_ids)
@@ -214,7 +215,7 @@ def measure_chain(verifier, drafter, prompts: list[list[int]], *, k: int, max_ne
     counters = Counters(k)
     outputs: list[list[int]] = []
     start = time.perf_counter()
-    for prompt in tqdm(prompts, desc="speculative decoding", unit="prompt", disable=not progress):
+    for prompt in tqdm(prompts, desc="speculative decoding", unit="prompt", **bar_kwargs(progress)):
         outputs.append(speculative_generate(verifier, proposer, prompt, k=k, max_new_tokens=max_new_tokens,
                                             eos_token_ids=eos, counters=counters))
     seconds = time.perf_counter() - start

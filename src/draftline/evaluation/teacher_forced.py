@@ -14,6 +14,7 @@ def measure(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps: int
             progress: bool = False) -> dict[str, float]:
     from tqdm.auto import tqdm
 
+    from draftline.console import bar_kwargs
     from draftline.train.batches import batch_plan
     from draftline.train.model import accumulate, forward, loss_config, pack, summarise
 
@@ -23,7 +24,7 @@ def measure(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps: int
     chunks = sorted(batch_plan(lengths, tokens_per_batch, seed=0, epoch=0))
     cfg = loss_config()
     sums: dict[str, float] = {}
-    for chunk in tqdm(chunks, desc="teacher-forced", unit="batch", disable=not progress):
+    for chunk in tqdm(chunks, desc="teacher-forced", unit="batch", **bar_kwargs(progress)):
         batch = pack([records[j] for j in chunk])
         for key in ("hidden_states", "verifier_last_hidden_states"):
             batch[key] = batch[key].to(dtype)

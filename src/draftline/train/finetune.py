@@ -35,12 +35,26 @@ def resolve_data(ref: str, dest: Path) -> Path:
         return p.resolve()
     if (dest / MANIFEST).is_file():
         return dest
-    partial = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    os.replace(download(ref, partial), dest)
-    shutil.rmtree(partial, ignore_errors=True)
+    import tempfile
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=dest.name + ".partial-", dir=dest.parent))
+    try:
+        got = download(ref, partial)
+        if not (got / MANIFEST).is_file():
+            raise DataError(f"data {ref} holds no {MANIFEST}: pass the data_uri that prepare printed")
+        with contextlib.suppress(OSError):  # another process may have put it there meanwhile: theirs is as good
+            os.replace(got, dest)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return dest
+
+
+def data_cache(ref: str) -> Path:
+    """Where a ``runs:/`` data set is kept once downloaded (artifacts never change: one copy serves every run)."""
+    import hashlib
+
+    return work_dir() / "cache" / "data" / hashlib.sha256(ref.encode()).hexdigest()[:16]
 
 
 def ds_config(cfg: FinetuneConfig) -> dict:
@@ -195,6 +209,22 @@ def _data_name(client, data_run_id: str | None) -> str:
     return "prepared"
 
 
+def check_resumable(run_id: str) -> None:
+    """``--resume RUN_ID`` names a finetune run on this tracking server."""
+    from mlflow import MlflowClient
+
+    from draftline.tracking import tracking_uri
+
+    try:
+        run = MlflowClient().get_run(run_id)
+    except Exception:  # noqa: BLE001
+        raise DataError(f"--resume {run_id}: no such run on {tracking_uri()}; pass the run_id finetune "
+                        "printed") from None
+    if run.data.tags.get("draftline.step") != "finetune":
+        raise DataError(f"--resume {run_id} is a {run.data.tags.get('draftline.step') or 'non-draftline'} run, "
+                        "not a finetune run")
+
+
 def refuse_unpaired_resume(run_id: str) -> None:
     """A run started before draftline trained in vLLM's pairing cannot be continued in it."""
     from mlflow import MlflowClient
@@ -220,20 +250,29 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     ranks, on_cpu = resolve_ranks(cfg.gpus)
     from draftline.train.signals import stop_on_signals
 
-    with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune-{cfg.init}", run_id=resume_run,
-                                               system_metrics=True) as active:
+    # the inputs are found before the run exists: a typo (init, data, stage, path) leaves no failed run behind
+    if resume_run:
+        check_resumable(resume_run)
+    data_run_id = tracking.parse_run_ref(cfg.data)[0] if cfg.data.startswith("runs:/") else None
+    data = open_prepared(resolve_data(cfg.data, data_cache(cfg.data)), verify=cfg.verify_data)
+    manifest = data.manifest
+    eval_data = open_prepared(resolve_data(cfg.eval_data, data_cache(cfg.eval_data)), verify=True) \
+        if cfg.eval_data else None
+    if eval_data is not None:
+        check_same_verifier(manifest, eval_data.manifest, cfg.eval_data)
+    parent = resolve_init(cfg.init, cache=work_dir() / "cache")
+    if cfg.hostfile and not Path(cfg.hostfile).is_file():
+        raise DataError(f"hostfile {cfg.hostfile} does not exist: pass --hostfile <a DeepSpeed hostfile>")
+    if cfg.ds_config and not Path(cfg.ds_config).is_file():
+        raise DataError(f"DeepSpeed config {cfg.ds_config} does not exist: pass --ds-config <a JSON file>")
+
+    with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune from {parent.name}",
+                                               run_id=resume_run, system_metrics=True) as active:
         run_id = active.info.run_id
+        print(f"[draftline] finetune run {run_id}: {tracking.run_link(active.info.experiment_id, run_id)}",
+              file=sys.stderr, flush=True)
         work = work_dir() / run_id
         work.mkdir(parents=True, exist_ok=True)
-        data_run_id = tracking.parse_run_ref(cfg.data)[0] if cfg.data.startswith("runs:/") else None
-        data = open_prepared(resolve_data(cfg.data, work / "data"), verify=cfg.verify_data)
-        manifest = data.manifest
-        eval_data = open_prepared(resolve_data(cfg.eval_data, work / "eval_data"), verify=True) \
-            if cfg.eval_data else None
-        if eval_data is not None:
-            check_same_verifier(manifest, eval_data.manifest, cfg.eval_data)
-
-        parent = resolve_init(cfg.init, cache=work_dir() / "cache")
         files, layout, sha, remap = None, "none", "none", "none"
         if not parent.is_random:
             files = find_checkpoint(parent.path, allow_pickle=cfg.allow_pickle)

@@ -94,10 +94,12 @@ def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostf
 
     DeepSpeed's launcher runs in its own session: SIGTERM/SIGINT reach this process, which asks the ranks to
     save and stop (:mod:`draftline.train.signals`) and raises :class:`Interrupted` with the resume command.
-    Rank output goes to ``ranks.log`` beside the spec, stderr shows it without tracebacks
-    (:mod:`draftline.train.rank_output`); rank 0's metrics reach MLflow through :mod:`metrics_relay`.
+    Rank output goes to ``ranks.log`` beside the spec, stderr shows draftline's own lines
+    (:mod:`draftline.train.rank_output`); rank 0's metrics reach MLflow through :mod:`metrics_relay`, and the
+    progress line (:mod:`draftline.train.progress`) from the same lines.
     """
     from draftline.train.metrics_relay import Relay
+    from draftline.train.progress import Progress
     from draftline.train.rank_output import RankOutput
     from draftline.train.signals import Stopper, resume_hint
 
@@ -105,8 +107,10 @@ def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostf
     error_file = Path(spec.error_file)
     error_file.unlink(missing_ok=True)
     log = spec_path.with_name("ranks.log")
-    out = RankOutput(log)
-    relay = Relay(spec.metrics_file, spec.run_id) if spec.metrics_file and spec.run_id else contextlib.nullcontext()
+    progress = Progress(spec.steps)
+    out = RankOutput(log, stream=progress)
+    relay = Relay(spec.metrics_file, spec.run_id, on_line=progress.update) \
+        if spec.metrics_file and spec.run_id else contextlib.nullcontext()
     # rank output is streamed to stderr: stdout carries only the command's result
     with relay, subprocess.Popen(command(spec_path, ranks, hostfile, free_port()), env=rank_env(ranks, on_cpu),
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
@@ -116,6 +120,7 @@ def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostf
             out.write(line)
         proc.wait()
     out.close()
+    progress.close()
     if stopper.signum is not None:
         from draftline.errors import Interrupted
 
@@ -136,4 +141,4 @@ def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostf
             raise cls(err["message"])
         raise TrainingError(f"a training rank failed:\n{err['message']}\n(all rank output: {log})")
     raise TrainingError(f"the DeepSpeed launcher exited with {proc.returncode}; all rank output is in {log} "
-                        "(DRAFTLINE_VERBOSE=1 shows it here)")
+                        "(-vv or DRAFTLINE_LOG=debug shows it here)")

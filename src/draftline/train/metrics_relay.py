@@ -5,6 +5,7 @@ Rank 0 appends each batch of metrics to ``metrics.jsonl`` in the work directory 
 (:class:`Relay`, a thread) and delivers each line with retries, remembering how far it got in
 ``metrics.jsonl.delivered``: lines written while the server is away are delivered when it returns, in order,
 and a resumed run delivers what an earlier process could not. Only the launching process holds credentials.
+Each new line also goes to ``on_line`` as it is read (finetune's progress line, :mod:`draftline.train.progress`).
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ class Relay:
     """The launching process's side: deliver ``path``'s complete lines to ``run_id``, retrying while the
     tracking server is away. ``close(wait_s)`` delivers the rest, waiting up to ``wait_s`` for the server."""
 
-    def __init__(self, path: str | Path, run_id: str, poll_s: float = 0.5):
+    def __init__(self, path: str | Path, run_id: str, poll_s: float = 0.5, on_line=None):
         self.path, self.run_id, self.poll_s = Path(path), run_id, poll_s
         self.mark = self.path.with_name(self.path.name + ".delivered")
         self.offset = int(self.mark.read_text() or 0) if self.mark.is_file() else 0
+        self.on_line = on_line  # called once per new line, delivered or not (the progress line)
+        self.seen = self.offset
         self.delivered = 0
         self.failures = 0
         self.outage_reported = False
@@ -69,6 +72,10 @@ class Relay:
                 pos += len(raw)
                 with contextlib.suppress(ValueError):
                     out.append((pos, json.loads(raw)))
+                    if self.on_line is not None and pos > self.seen:
+                        self.seen = pos
+                        with contextlib.suppress(Exception):  # a display must never stop the relay
+                            self.on_line(out[-1][1])
         return out
 
     def deliver_once(self) -> bool:

@@ -116,6 +116,7 @@ def train_steps_in_process(model, records: Sequence[dict[str, torch.Tensor]], *,
     ``callback(step)`` runs every ``callback_every`` steps (evaluation in benchmarks)."""
     from tqdm.auto import trange
 
+    from draftline.console import bar_kwargs
     from draftline.train.batches import batches
 
     params = trainable_parameters(model)
@@ -125,7 +126,7 @@ def train_steps_in_process(model, records: Sequence[dict[str, torch.Tensor]], *,
     it = batches(records, tokens_per_batch, seed=seed)
     last: dict[str, float] = {}
     dtype = params[0].dtype
-    for step in trange(1, steps + 1, desc="train", disable=not progress):
+    for step in trange(1, steps + 1, desc="train", **bar_kwargs(progress)):
         batch = pack(next(it))
         for key in ("hidden_states", "verifier_last_hidden_states"):
             batch[key] = batch[key].to(dtype)

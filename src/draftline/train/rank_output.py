@@ -1,6 +1,8 @@
-"""What the user sees of the ranks' output: everything goes to ``ranks.log`` in the work directory; stderr gets
-the progress lines but not the ranks' Python tracebacks (N ranks would print N of them before the one message
-the launcher raises). ``DRAFTLINE_VERBOSE=1`` shows everything."""
+"""What the user sees of the ranks' output: everything goes to ``ranks.log`` in the work directory. On stderr,
+at the default verbosity, only draftline's own lines (``[draftline] ...``); with ``-v`` (``DRAFTLINE_LOG=info``)
+the launcher's and the ranks' lines too, but not the ranks' Python tracebacks (N ranks would print N of them
+before the one message the launcher raises); ``-vv`` (``DRAFTLINE_LOG=debug``, or ``DRAFTLINE_VERBOSE=1``) shows
+everything."""
 
 from __future__ import annotations
 
@@ -11,22 +13,36 @@ from pathlib import Path
 
 _PREFIX = re.compile(r"^(\[rank\d+\]:\s?)")  # torch.distributed prefixes a rank's lines with [rankN]:
 _END = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*|^[A-Za-z_][\w.]*: ")
+OWN = "[draftline]"
+
+
+def _level(verbose: bool | None) -> str:
+    from draftline.console import level
+
+    if verbose is not None:
+        return "debug" if verbose else "info"
+    return "debug" if os.environ.get("DRAFTLINE_VERBOSE", "") not in ("", "0") else level()
 
 
 class RankOutput:
-    def __init__(self, log_path: Path, stream=None, verbose: bool | None = None):
+    def __init__(self, log_path: Path, stream=None, verbose: bool | None = None, level: str | None = None):
         self.log = open(log_path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115 (closed in close())
         self.stream = stream or sys.stderr
-        self.verbose = os.environ.get("DRAFTLINE_VERBOSE", "") not in ("", "0") if verbose is None else verbose
+        self.level = level or _level(verbose)
         self.in_traceback = False
         self.hidden = 0
 
     def write(self, line: str) -> None:
         self.log.write(line)
-        if self.verbose:
+        self.log.flush()
+        if self.level == "debug":
             self.stream.write(line)
             return
         body = _PREFIX.sub("", line)
+        if self.level == "warning":
+            if body.startswith(OWN):
+                self.stream.write(body)
+            return
         if body.startswith(("Traceback (most recent call last)", "During handling of the above exception",
                             "The above exception was the direct cause")):
             self.in_traceback = True
