@@ -45,14 +45,22 @@ SHARE = {"train_step": 0.3, "attention": 0.2, "finetune": 0.5}  # of the time bu
 
 
 MARK = "GPU-CHECK-RESULT "
+STANDINS = ROOT / "benchmarks" / "standins"
+
+
+def standins() -> list[str]:
+    """Stand-ins the parts get: ``datasets`` where it is not installed (speculators imports it for its own
+    trainer only), or always with ``DRAFTLINE_GPU_CHECK_STANDINS=1`` (the test uses it)."""
+    forced = os.environ.get("DRAFTLINE_GPU_CHECK_STANDINS") == "1"
+    return ["datasets"] if forced or importlib.util.find_spec("datasets") is None else []
 
 
 def run_group(parts: list[str], shape: str, tmp: Path, budget_s: float) -> dict[str, dict]:
     """Run ``parts`` in one child process within their share of the budget; a part that left no result line
     (killed, timed out, crashed) gets ``{"error": ...}`` with the end of the child's output."""
     limit = budget_s * sum(SHARE[p] for p in parts)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
-                                                        os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    paths = [*(str(STANDINS),) * bool(standins()), str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths).rstrip(os.pathsep)}
     t = time.perf_counter()
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--child", ",".join(parts), shape, str(tmp)]
     try:
@@ -76,10 +84,17 @@ class Skip(Exception):
 
 
 def need(*modules: str) -> None:
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    """Import ``modules`` or skip the part, saying which failed and why (not installed, or a dependency
+    missing)."""
+    missing = []
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # noqa: BLE001 (any import failure is a missing prerequisite)
+            missing.append(f"{m} ({type(e).__name__}: {e})"[:300])
     if missing:
-        raise Skip(f"{', '.join(missing)} not installed (run benchmarks/gpu_check.sh, which installs the wheels "
-                   "carried in benchmarks/wheels/; build them with --build-wheels)")
+        raise Skip(f"cannot import {'; '.join(missing)}: run benchmarks/gpu_check.sh, which installs the wheels "
+                   "carried in benchmarks/wheels/ (built with --build-wheels)")
 
 
 def step_flops(s: dict, tokens: int, ttt: int = 3, docs: int = 4) -> float:
@@ -104,7 +119,7 @@ def _cuda() -> bool:
 
 
 def part_train_step(shape: str) -> dict:
-    need("deepspeed", "speculators")
+    need("deepspeed", "speculators.models.eagle3")
     from benchmarks.common import SHAPES, drafter_config
     from benchmarks.train_step import run
     from draftline.plan import make_plan
@@ -131,7 +146,7 @@ def part_train_step(shape: str) -> dict:
 
 
 def part_attention(shape: str) -> dict:
-    need("speculators")
+    need("speculators.models.eagle3")
     import torch
 
     from benchmarks.common import SHAPES, bench_model, drafter_config, fake_batch
@@ -197,7 +212,7 @@ def part_attention(shape: str) -> dict:
 
 
 def part_finetune(shape: str, work: Path) -> dict:
-    need("deepspeed", "speculators", "mlflow")
+    need("deepspeed", "speculators.models.eagle3", "mlflow", "matplotlib")
     from benchmarks.gpu_inputs import make_inputs
 
     size = SIZES[shape]
@@ -308,7 +323,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "gpu-check", "shape": args.shape, "date": time.strftime("%Y-%m-%d %H:%M"),
-              "machine": _machine(), "parts": {}}
+              "machine": _machine(), "standins": standins(), "parts": {}}
     # real: one process per part (an out-of-memory or a crash loses one part); tiny: one process for all
     groups = [[p] for p in parts] if args.shape == "real" else [parts]
     with tempfile.TemporaryDirectory(prefix="draftline-gpu-check-") as tmp:
