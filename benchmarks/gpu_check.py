@@ -212,7 +212,7 @@ def part_attention(shape: str) -> dict:
 
 
 def part_finetune(shape: str, work: Path) -> dict:
-    need("deepspeed", "speculators.models.eagle3", "mlflow", "matplotlib")
+    need("deepspeed", "speculators.models.eagle3", "mlflow", "mlflow.models.utils")
     from benchmarks.gpu_inputs import make_inputs
 
     size = SIZES[shape]
