@@ -41,7 +41,7 @@ SIZES = {  # tokens per rank, timed iterations, finetune steps, synthetic sample
     "real": {"tokens": 4096, "iters": 5, "steps": 10, "samples": 10, "sample_tokens": 1024},
     "tiny": {"tokens": 128, "iters": 2, "steps": 3, "samples": 8, "sample_tokens": 96},
 }
-SHARE = {"train_step": 0.3, "attention": 0.2, "finetune": 0.5}  # of the time budget
+SHARE = {"train_step": 0.25, "attention": 0.15, "finetune": 0.6}  # of the time budget
 
 
 MARK = "GPU-CHECK-RESULT "
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="real", choices=["real", "tiny"])
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--parts", default=",".join(PARTS))
-    ap.add_argument("--budget-s", type=float, default=470.0, help="all parts together (each gets its share)")
+    ap.add_argument("--budget-s", type=float, default=440.0, help="all parts together (each gets its share)")
     ap.add_argument("--child", nargs=3, metavar=("PART", "SHAPE", "WORK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
