@@ -16,22 +16,23 @@ SHAPES = {
 AUX = KIMI_K2["aux_layer_ids"]
 
 
-def drafter_config(shape: str):
-    """The speculators config of the shape: one Llama layer, as ``draftline plan`` builds it."""
+def drafter_config(shape: str, attn: str = "sdpa"):
+    """The speculators config of the shape: one Llama layer, as ``draftline plan`` builds it; ``attn`` is the
+    draft attention (``sdpa``, ``eager``, or ``simple_flex_attention``, speculators' default, which needs a GPU)."""
     from draftline.drafter_shape import llama_drafter_config
 
     s = SHAPES[shape]
     config = llama_drafter_config(s, draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=AUX)
-    config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (flex attention needs a GPU)
+    config.transformer_layer_config._attn_implementation = attn  # noqa: SLF001
     return config
 
 
-def bench_model(shape: str, device, dtype=torch.bfloat16, init: bool = True):
+def bench_model(shape: str, device, dtype=torch.bfloat16, init: bool = True, attn: str = "sdpa"):
     """An ``Eagle3DraftModel`` of the shape, built on the meta device and materialised directly in ``dtype``
     (no fp32 copy), verifier-owned weights random (no verifier checkpoint is needed)."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    config = drafter_config(shape)
+    config = drafter_config(shape, attn)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -10,6 +10,7 @@
     python -m benchmarks.run evaluation             (measured vs teacher-forced acceptance, tiny verifier)
     python -m benchmarks.run fleet [--pullers 1,8,32]   (pulls by stage while Production moves; PostgreSQL)
     python -m benchmarks.run real-tier [--log LOG]  (collects a finished ./demo_real.sh run: SmolLM2 on the CPU)
+    python -m benchmarks.run artifact-bytes [--shape real|tiny]  (what finetune logs / bf16 weight bytes)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _table(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan", "data",
-                                         "regenerate", "evaluation", "fleet", "real-tier"])
+                                         "regenerate", "evaluation", "fleet", "real-tier", "artifact-bytes"])
     ap.add_argument("--shape", default=None, choices=["tiny", "real"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
@@ -82,6 +83,10 @@ def main(argv=None) -> int:
         from benchmarks.fleet import run
 
         result = run(counts=[int(x) for x in args.pullers.split(",")])
+    elif args.name == "artifact-bytes":
+        from benchmarks.artifact_bytes import run
+
+        result = run(shape=args.shape or "real")
     elif args.name == "registry":
         from benchmarks.registry import run
 
