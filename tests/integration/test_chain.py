@@ -15,7 +15,7 @@ from draftline.cli import cli
 
 from ..conftest import DEMO
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.benchmark]  # two generations, ZeRO-2 and ZeRO-3: 2+ minutes
 
 
 def invoke(*args):

@@ -97,6 +97,7 @@ def _one_message(r_err: str) -> bool:
     return "Traceback" not in r_err and sum(line.startswith("error: ") for line in r_err.splitlines()) == 1
 
 
+@pytest.mark.benchmark  # 96 MiB versions and two server restarts
 def test_a_server_restarted_mid_pull_and_mid_promotion(restartable, monkeypatch, tmp_path, mechanics_policies):
     """Pulls cut off by a crashed server try again and finish (or stop with one message, exit 75); a
     promotion cut off the same way ends with stage and alias in agreement."""

@@ -46,7 +46,7 @@ FLAGS = ["--init", "tiny", "--gpus", "2", "--steps", "40", "--save-every", "1000
          "--val-fraction", "0"]
 
 
-@pytest.mark.parametrize("how", ["timeout", "process-group"])
+@pytest.mark.parametrize("how", [pytest.param("timeout", marks=pytest.mark.benchmark), "process-group"])
 def test_a_signal_saves_a_checkpoint_ends_the_run_killed_and_says_how_to_resume(workspace, prepared, how):
     cmd = _draftline("finetune", "--data", prepared, *FLAGS)
     if how == "timeout":  # what `timeout -s TERM` does when its time is up: SIGTERM to its command
@@ -89,6 +89,7 @@ def test_a_signal_saves_a_checkpoint_ends_the_run_killed_and_says_how_to_resume(
         assert steps == set(range(1, 41))
 
 
+@pytest.mark.benchmark  # three minutes: a server stopped and restarted under a finetune
 def test_a_tracking_server_outage_mid_run_loses_no_metric(workspace, prepared, tmp_path, monkeypatch):
     from draftline.testing.localserver import start_mlflow_server, stop
 
