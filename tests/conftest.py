@@ -149,7 +149,7 @@ def store(request, workspace, monkeypatch):
     """The registry on the embedded sqlite store, on a real `mlflow server` on loopback (sqlite), and on the
     team setup (`mlflow server` on PostgreSQL with basic-auth, as its admin). The PostgreSQL variants take
     10-20x as long (every request through basic-auth on PostgreSQL): they are in the benchmark tier
-    (`pytest -m benchmark`); the full suite runs the team setup through test_auth, test_fleet and test_quiet."""
+    (`pytest -m benchmark`); the full suite runs the team setup through test_auth."""
     if request.param == "server":
         uri = request.getfixturevalue("mlflow_server")
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

@@ -32,6 +32,7 @@ def _pod_user(uri: str) -> tuple[str, str]:
     return user
 
 
+@pytest.mark.benchmark  # eight pull processes against basic-auth on PostgreSQL: 100 s
 def test_eight_pods_pull_production_while_it_moves(team_server, monkeypatch, tmp_path, mechanics_policies):
     """Every pull ends with the complete, verified directory of one version that held Production at some
     moment during that pull, never a mix; the cache four of them share holds only whole blobs."""

@@ -13,7 +13,7 @@ from draftline.cli import cli
 
 from ..conftest import DEMO
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.benchmark]  # prepare -> finetune -> export twice through `main`: 100 s
 
 
 def invoke(*args):

@@ -20,6 +20,7 @@ def _draftline(*args):
     return [sys.executable, "-m", "draftline.cli", *map(str, args)]
 
 
+@pytest.mark.benchmark  # three finetunes (killed, resumed, uninterrupted): two minutes and more
 def test_kill_and_resume_continues_the_same_run(workspace, prepared):
     flags = ["--data", prepared, "--init", "tiny", "--gpus", "2", "--steps", "4", "--save-every", "2",
              "--tokens-per-batch", "512", "--val-fraction", "0"]

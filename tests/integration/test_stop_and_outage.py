@@ -49,6 +49,7 @@ FLAGS = ["--init", "tiny", "--gpus", "2", "--steps", "40", "--save-every", "1000
 @pytest.mark.parametrize("how", [pytest.param("timeout", marks=pytest.mark.benchmark), "process-group"])
 def test_a_signal_saves_a_checkpoint_ends_the_run_killed_and_says_how_to_resume(workspace, prepared, how):
     cmd = _draftline("finetune", "--data", prepared, *FLAGS)
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     if how == "timeout":  # what `timeout -s TERM` does when its time is up: SIGTERM to its command
         proc = subprocess.Popen(["timeout", "-s", "TERM", "1000", *cmd], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -76,6 +77,8 @@ def test_a_signal_saves_a_checkpoint_ends_the_run_killed_and_says_how_to_resume(
     assert (run_dir / "checkpoints" / "latest").is_file()
     assert _ranks_of(run_dir) == []  # no rank trains on as an orphan
     assert MlflowClient().get_run(run_id).info.status == "KILLED"
+    # DeepSpeed's CPU all-reduce buffers (66 MiB of RAM per rank in /dev/shm, never unlinked): none left behind
+    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
 
     if how == "timeout":  # the printed command continues the same run to the end
         resume = shlex.split(errors[0].split("resume it with: ", 1)[1])

@@ -4,7 +4,6 @@ vLLM's EAGLE proposer shifts the input ids by one and drafts the token at t+2; s
 that way. A drafter trained on unshifted samples learns an easier task and serves poorly.
 """
 
-import pytest
 import torch
 from speculators.models.eagle3 import shift_batch
 
@@ -81,7 +80,6 @@ def _acceptance(model, records, make_batch) -> float:
     return summarise(sums, 3)["acceptance_length"]
 
 
-@pytest.mark.integration  # trains/generates for a minute and more: the full suite
 def test_a_drafter_trained_by_draftline_scores_higher_in_vllms_pairing(tiny, prepared):
     """Trained on the tiny verifier's data, measured on held-out samples in both pairings: the drafter must be
     better in the pairing vLLM serves. Before the fix it was the other way round (measured, teacher-forced

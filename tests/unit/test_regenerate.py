@@ -37,7 +37,6 @@ def _dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}/v1"
 
 
-@pytest.mark.integration  # trains/generates for a minute and more: the full suite
 def test_assistant_turns_become_the_verifiers_greedy_replies_and_user_turns_stay(tiny, cache):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
