@@ -74,10 +74,12 @@ def run(shape: str = "real", reps: int = 2) -> dict:
                         mlflow.log_artifacts(str(src), "drafter")
                     return r
 
-                def ours_register():
+                def ours_register():  # as export does: a LoggedModel, checksums last, then the version
                     with mlflow.start_run() as r:
-                        upload_with_checksums(src, "drafter")
-                        return registry.register(client, "bench-drafter", source=f"{r.info.artifact_uri}/drafter",
+                        logged = mlflow.initialize_logged_model(name="bench-drafter", source_run_id=r.info.run_id)
+                        upload_with_checksums(src, logged.model_id)
+                        mlflow.finalize_logged_model(logged.model_id, "READY")
+                        return registry.register(client, "bench-drafter", model_id=logged.model_id,
                                                  run_id=r.info.run_id, tags={"bench": "1"}, description="benchmark")
 
                 holder: dict = {}
