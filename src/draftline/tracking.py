@@ -63,11 +63,18 @@ def setup(experiment: str | None = None, *, select_experiment: bool = True) -> s
 
 
 def store_path(uri: str) -> Path | None:
-    """The local file or folder a tracking URI names (``sqlite:///…``, ``file:…``, a bare path), else None."""
-    if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///"):] if uri.startswith("sqlite:////") else uri[len("sqlite://"):])
+    """The local file or folder a tracking URI names (``sqlite:///…``, ``file:…``, a bare path), else None
+    (a server, an in-memory sqlite). Parsed as SQLAlchemy and MLflow parse them: ``sqlite:///mlflow.db`` is
+    relative to the working directory, ``sqlite:////abs/mlflow.db`` absolute."""
+    if uri.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
+
+        database = make_url(uri).database
+        return Path(database) if database and database != ":memory:" else None
     if uri.startswith("file:"):
-        return Path(uri[len("file:"):].removeprefix("//"))
+        from mlflow.utils.file_utils import local_file_uri_to_path
+
+        return Path(local_file_uri_to_path(uri))
     if "://" not in uri and not uri.startswith(("databricks", "uc:")):
         return Path(uri)
     return None

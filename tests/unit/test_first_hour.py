@@ -1,6 +1,8 @@
 """The mistakes a newcomer makes in the first hour: each one sentence, a non-zero exit, and nothing left behind
 (no failed run for a typo, no tracking store created by a command that only reads)."""
 
+from pathlib import Path
+
 from click.testing import CliRunner
 
 from draftline.cli import cli
@@ -55,6 +57,17 @@ def test_read_only_commands_create_no_tracking_store_and_name_the_one_they_looke
         out = _one_message(_invoke(*args))
         assert f"no tracking store at {uri} (nothing was created)" in out and "MLFLOW_TRACKING_URI" in out, out
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_relative_store_uri_names_the_store_in_the_working_directory(tmp_path, monkeypatch):
+    """MLflow's documented ``sqlite:///mlflow.db`` is ./mlflow.db, ``file:mlruns`` is ./mlruns."""
+    from draftline.tracking import store_path
+
+    monkeypatch.chdir(tmp_path)
+    assert store_path("sqlite:///mlflow.db") == Path("mlflow.db")
+    assert store_path(f"sqlite:///{tmp_path / 'mlflow.db'}") == tmp_path / "mlflow.db"
+    assert store_path("file:mlruns") == Path("mlruns") and store_path("file:///srv/mlruns") == Path("/srv/mlruns")
+    assert store_path("sqlite://") is None and store_path("http://127.0.0.1:5000") is None
 
 
 def test_a_name_that_is_not_there_is_named_with_the_store_and_the_closest_match(workspace):
