@@ -186,3 +186,17 @@ def test_a_catalog_name_typo_gets_did_you_mean(tmp_path, monkeypatch):
     with pytest.raises(ParentNotFound) as e:
         resolve_init("no-such-parent")
     assert "did you mean" not in str(e.value)
+
+
+def test_a_run_trained_before_the_pairing_fix_is_not_resumed_and_stays_as_it_was(run, workspace, prepared):
+    import mlflow
+    from mlflow import MlflowClient
+
+    with mlflow.start_run() as old:  # a finetune run from before draftline trained in vLLM's pairing
+        mlflow.set_tag("draftline.step", "finetune")
+        mlflow.log_param("train.steps", "40")
+    r = run("finetune", "--data", str(prepared), "--init", "tiny", "--resume", old.info.run_id)
+    assert r.exit_code == 1 and "was trained before draftline paired hidden states" in r.output, r.output
+    assert "start a new finetune" in r.output
+    after = MlflowClient().get_run(old.info.run_id)
+    assert after.info.status == "FINISHED" and after.data.params == {"train.steps": "40"}

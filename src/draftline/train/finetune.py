@@ -215,7 +215,8 @@ def _data_name(client, data_run_id: str | None) -> str:
 
 
 def check_resumable(run_id: str) -> None:
-    """``--resume RUN_ID`` names a finetune run on this tracking server."""
+    """``--resume RUN_ID`` names a finetune run on this tracking server, trained in vLLM's pairing (a run
+    started before draftline trained in that pairing cannot be continued in it)."""
     from mlflow import MlflowClient
 
     from draftline.tracking import tracking_uri
@@ -228,13 +229,7 @@ def check_resumable(run_id: str) -> None:
     if run.data.tags.get("draftline.step") != "finetune":
         raise DataError(f"--resume {run_id} is a {run.data.tags.get('draftline.step') or 'non-draftline'} run, "
                         "not a finetune run")
-
-
-def refuse_unpaired_resume(run_id: str) -> None:
-    """A run started before draftline trained in vLLM's pairing cannot be continued in it."""
-    from mlflow import MlflowClient
-
-    existing = MlflowClient().get_run(run_id).data.params
+    existing = run.data.params
     if existing and "train.pairing" not in existing:
         raise DataError(f"run {run_id} was trained before draftline paired hidden states with tokens as vLLM "
                         f"serves them ({PAIRING}); its checkpoint cannot be resumed: start a new finetune")
@@ -323,8 +318,6 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             "train.pairing": PAIRING,
             "eval.data.digest": eval_data.manifest["digest"] if eval_data is not None else "none",
         }
-        if resume_run:
-            refuse_unpaired_resume(run_id)
         tracking.log_params_once(params, run_id)
         origin = "random init" if parent.is_random else (
             f"{parent.name} v{parent.revision}" if parent.model_version else parent.name)
