@@ -9,6 +9,10 @@ cd "$(dirname "$0")"
 source .venv/bin/activate
 export DRAFTLINE_TINY_DIR="$PWD/work/tiny"
 field() { python -c "import json,sys; print(json.load(sys.stdin)['$1'])"; }
+said() {  # evaluate's JSON as one line
+  python -c "import json,sys; r=json.load(sys.stdin); print(f\"$1: acceptance length {r['measured_acceptance_length']}\"
+    f\" measured (teacher-forced {r['teacher_forced_acceptance_length']}) on {r['prompts']} prompts, lossless:\"
+    f\" {r['lossless']}, run {r['run_id']}\")" >&2; }
 t0=$SECONDS; lap() { echo "== $1 took $((SECONDS - t0)) s" >&2; t0=$SECONDS; }
 
 [ -f work/tiny/parent/model.safetensors ] || draftline make-tiny work/tiny >/dev/null
@@ -26,12 +30,12 @@ data=$(draftline prepare --conversations configs/demo/conversations.jsonl --veri
          --regenerate-endpoint "$endpoint" --regenerate-max-tokens 32 --max-samples 64 --max-length 256 \
          | field data_uri)
 lap "prepare (evaluation set + training data, answered by the verifier)"
-draftline evaluate --target tiny --data "$evalset" --max-new-tokens 24 >&2
+draftline evaluate --target tiny --data "$evalset" --max-new-tokens 24 | said "the parent"
 lap "evaluate the parent"
 run=$(draftline finetune --data "$data" --eval-data "$evalset" --init tiny --vocab rebuild --gpus 2 --zero-stage 2 \
         --steps 40 --tokens-per-batch 512 --lr 3e-3 --warmup-steps 0 --val-every 10 --save-every 10 | field run_id)
 lap "finetune"
-draftline evaluate --target "runs:/$run" --data "$evalset" --max-new-tokens 24 >&2
+draftline evaluate --target "runs:/$run" --data "$evalset" --max-new-tokens 24 | said "the child"
 version=$(draftline export --run "$run" --registered-model tiny-drafter | field version)
 lap "evaluate the child + export"
 draftline promote tiny-drafter "$version" --to Production

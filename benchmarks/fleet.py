@@ -26,7 +26,7 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def run(counts=(1, 8, 32), mib: int = 16, versions: int = 4, every_s: float = 0.5) -> dict:
+def run(counts=(1, 8, 32), mib: int = 16, versions: int = 4, every_s: float = 0.5, auth_cache_ttl_s: int = 60) -> dict:
     import mlflow
     from mlflow import MlflowClient
     from mlflow.server import get_app_client
@@ -41,7 +41,8 @@ def run(counts=(1, 8, 32), mib: int = 16, versions: int = 4, every_s: float = 0.
         tmp = Path(tmp)
         pg = start_postgres()
         try:
-            extra, env = basic_auth(tmp / "server", ADMIN, pg.create_database("mlflow_auth"))
+            extra, env = basic_auth(tmp / "server", ADMIN, pg.create_database("mlflow_auth"),
+                                    auth_cache_ttl_s=auth_cache_ttl_s)
             t = time.perf_counter()
             proc, uri = start_mlflow_server(tmp / "server", extra, env, backend_store_uri=pg.create_database("mlflow"),
                                             workers=2, timeout_s=600)
@@ -64,6 +65,7 @@ def run(counts=(1, 8, 32), mib: int = 16, versions: int = 4, every_s: float = 0.
             pg.stop()
     return {"shape": "postgres", "mib_per_version": mib, "versions": versions, "promote_every_s": every_s,
             "server": "mlflow server, PostgreSQL 15, basic-auth, proxied artifacts, 2 workers",
+            "auth_cache_ttl_seconds": auth_cache_ttl_s,
             "server_start_s": round(server_start_s, 1), "rounds": rounds,
             "summary": {f"{n} pullers": f"{r['pulls_per_s']} pulls/s, p50 {r['p50_s']} s, p99 {r['p99_s']} s, "
                         f"{r['server_errors']} server errors, {r['failed']} failed, {r['bad']} bad"

@@ -2,13 +2,14 @@
 
     python -m benchmarks.run train-step [--shape tiny|real] [--tokens N] [--iters N] [--rounds N]
     python -m benchmarks.run parent-load [--shape real|tiny]
-    python -m benchmarks.run warm-start
+    python -m benchmarks.run warm-start [--shape tiny|smollm2]   (smollm2: after ./demo_real.sh)
     python -m benchmarks.run plan                   (the Kimi-K2 drafter on 8 x 180 GiB, per ZeRO stage)
     python -m benchmarks.run registry [--shape real|tiny]
     python -m benchmarks.run data
     python -m benchmarks.run regenerate             (tiny server: batched vs one request at a time)
     python -m benchmarks.run evaluation             (measured vs teacher-forced acceptance, tiny verifier)
-    python -m benchmarks.run fleet [--pullers 1,8,32]   (pulls by stage while Production moves; PostgreSQL)
+    python -m benchmarks.run fleet [--pullers 1,8,32] [--auth-cache-ttl S]  (pulls by stage while Production moves)
+    python -m benchmarks.run server-requests        (one request, one download: sqlite/PostgreSQL, with/without auth)
     python -m benchmarks.run real-tier [--log LOG]  (collects a finished ./demo_real.sh run: SmolLM2 on the CPU)
     python -m benchmarks.run artifact-bytes [--shape real|tiny]  (what finetune logs / bf16 weight bytes)
 """
@@ -42,12 +43,15 @@ def _table(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan", "data",
-                                         "regenerate", "evaluation", "fleet", "real-tier", "artifact-bytes"])
-    ap.add_argument("--shape", default=None, choices=["tiny", "real"])
+                                         "regenerate", "evaluation", "fleet", "real-tier", "artifact-bytes",
+                                         "server-requests"])
+    ap.add_argument("--shape", default=None, choices=["tiny", "real", "smollm2"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="train-step: interleaved rounds (>= 3 for a spread)")
     ap.add_argument("--pullers", default="1,8,32", help="fleet: concurrent pullers per round")
+    ap.add_argument("--auth-cache-ttl", type=int, default=60,
+                    help="fleet: the server's auth_cache_ttl_seconds (0: MLflow's default, a hash check a request)")
     ap.add_argument("--log", default=None, help="real-tier: demo_real.sh's stderr (default work/real/demo.log)")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -58,7 +62,7 @@ def main(argv=None) -> int:
     elif args.name == "warm-start":
         from benchmarks.warm_start import run
 
-        result = run()
+        result = run(shape=args.shape or "tiny")
     elif args.name == "plan":
         from benchmarks.plan import run
 
@@ -82,7 +86,11 @@ def main(argv=None) -> int:
     elif args.name == "fleet":
         from benchmarks.fleet import run
 
-        result = run(counts=[int(x) for x in args.pullers.split(",")])
+        result = run(counts=[int(x) for x in args.pullers.split(",")], auth_cache_ttl_s=args.auth_cache_ttl)
+    elif args.name == "server-requests":
+        from benchmarks.server_requests import run
+
+        result = run()
     elif args.name == "artifact-bytes":
         from benchmarks.artifact_bytes import run
 

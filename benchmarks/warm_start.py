@@ -1,8 +1,13 @@
-"""warm-start: does a parent pay? On the tiny verifier, the parent (make-tiny trains it on the first half of
-the demo conversations) and a random init are finetuned side by side on the second half with the same
-batches; we count the steps each needs to reach the validation accuracy random init reaches at the end.
+"""warm-start: does a parent pay? We count the steps a finetune from the parent and one from random init need
+to reach the validation accuracy random init reaches at the end, with the same data, batches and settings.
 
-fp32 on the CPU (bf16 matmuls are ~10x slower here); same loop as the tiny parent's (bare AdamW).
+- ``tiny``: the parent (make-tiny trains it on the first half of the demo conversations) and a random init,
+  finetuned side by side on the second half in this process (bare AdamW, fp32);
+- ``smollm2``: a finished ``./demo_real.sh`` run. Its child (finetuned from the general parent on the GSM8K
+  traffic, validated on the held-out evaluation set) is one side; the other is ``draftline finetune --init
+  random`` with every setting of the child's run (data, evaluation set, draft vocabulary size, steps, tokens,
+  lr, warm-up, precision, ranks, seed) read back from MLflow, so it is the pipeline's own DeepSpeed run on both
+  sides. The random-init run is kept (tagged) and reused when the benchmark is run again.
 """
 
 from __future__ import annotations
@@ -15,7 +20,80 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(steps: int = 150, every: int = 10, metric: str = "full_acc_0", parent_steps: int = 600) -> dict:
+def run(shape: str = "tiny", **kw) -> dict:
+    return run_real(**kw) if shape == "smollm2" else run_tiny(**kw)
+
+
+def _reach(curve: list[tuple[int, float]], goal: float) -> int | None:
+    return next((s for s, v in curve if v >= goal - 1e-9), None)
+
+
+def run_real(summary: str | None = None, metrics=("full_acc_0", "acceptance_length")) -> dict:
+    """Read a finished real-tier run (``work/real/summary.json``), train its random-init counterpart once,
+    compare the two validation curves."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mlflow import MlflowClient
+
+    path = Path(summary) if summary else ROOT / "work" / "real" / "summary.json"
+    if not path.is_file():
+        raise SystemExit(f"no {path}: run ./demo_real.sh first (the real tier's warm start compares its child)")
+    done = json.loads(path.read_text())
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlflow.db'}")
+    client = MlflowClient()
+    child = client.get_run(done["child_finetune_run"])
+    p = child.data.params
+    ev = client.search_runs([child.info.experiment_id], f"tags.`draftline.data.digest` = '{p['eval.data.digest']}'"
+                            " and tags.`draftline.step` = 'prepare'", max_results=1)
+    if not ev:
+        raise SystemExit(f"the evaluation set {p['eval.data.digest'][:12]} of run {child.info.run_id} is not here")
+    history = {m: client.get_metric_history(child.info.run_id, f"val/{m}") for m in metrics}
+    val_steps = sorted({h.step for h in history[metrics[0]]})
+    val_every = val_steps[1] - val_steps[0] if len(val_steps) > 1 else int(p["train.steps"])
+    tag = {"draftline.bench.warm_start_of": child.info.run_id}
+    mine = client.search_runs([child.info.experiment_id], f"tags.`draftline.bench.warm_start_of` = "
+                              f"'{child.info.run_id}' and attributes.status = 'FINISHED'", max_results=1)
+    if mine:
+        random_run = mine[0]
+    else:
+        cmd = [sys.executable, "-m", "draftline.cli", "finetune", "--data", p["data.uri"], "--init", "random",
+               "--draft-vocab-size", p["vocab.draft_size"], "--eval-data", f"runs:/{ev[0].info.run_id}/data",
+               "--gpus", p["world_size"], "--zero-stage", p["zero.stage"], "--steps", p["train.steps"],
+               "--tokens-per-batch", p["train.tokens_per_batch"], "--precision", p["train.precision"],
+               "--lr", p["optimizer.lr"], "--warmup-steps", p["optimizer.warmup_steps"], "--val-every",
+               str(val_every), "--seed", p["train.seed"], "--ttt-steps", p["ttt_steps"]]
+        print("  training the random-init counterpart:", " ".join(cmd[3:]), flush=True)
+        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
+        run_id = json.loads(out)["run_id"]
+        client.set_tag(run_id, *next(iter(tag.items())))
+        random_run = client.get_run(run_id)
+    curves = {name: {m: [(h.step, h.value) for h in sorted(client.get_metric_history(r.info.run_id, f"val/{m}"),
+                                                             key=lambda h: h.step)] for m in metrics}
+              for name, r in (("random", random_run), ("parent", child))}
+    result = {"shape": "smollm2", "verifier": p["verifier.name_or_path"], "steps": int(p["train.steps"]),
+              "val_every": val_every, "runs": {"parent": child.info.run_id, "random": random_run.info.run_id},
+              "settings": {k: p[k] for k in ("data.uri", "vocab.draft_size", "world_size", "train.tokens_per_batch",
+                                             "train.precision", "optimizer.lr", "optimizer.warmup_steps")},
+              "parent": child.data.tags.get("draftline.parent.name") or p.get("parent.name"),
+              "curves": curves, "targets": {"ratio": 0.2}, "summary": {}}
+    for m in metrics:
+        goal = curves["random"][m][-1][1]
+        reach = {n: _reach(c[m], goal) for n, c in curves.items()}
+        ratio = reach["parent"] / reach["random"] if reach["parent"] is not None and reach["random"] else None
+        result[f"val/{m}"] = {"goal (random at the end)": goal, "steps_to_goal": reach, "ratio": ratio,
+                              "at_step_0": {n: c[m][0][1] for n, c in curves.items()},
+                              "at_end": {n: c[m][-1][1] for n, c in curves.items()}}
+        result["summary"][f"val/{m}"] = (
+            f"random ends at {goal:.3f}; parent reaches it at step {reach['parent']} of {reach['random']} "
+            f"({'n/a' if ratio is None else f'{ratio:.2f}x'}; goal <= 0.2x); parent starts at "
+            f"{curves['parent'][m][0][1]:.3f}, ends at {curves['parent'][m][-1][1]:.3f}")
+    return result
+
+
+def run_tiny(steps: int = 150, every: int = 10, metric: str = "full_acc_0", parent_steps: int = 600) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftline.checkpoints import find_checkpoint, load_into_model, read_tensors

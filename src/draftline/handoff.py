@@ -121,9 +121,11 @@ def _wanted_step(tags: dict[str, str], which: str) -> int | None:
     return int(m.group(1))
 
 
-def fetch_weights(run, which: str, dest: Path) -> tuple[Path, dict[str, torch.Tensor], int | None]:
+def fetch_weights(run, which: str, dest: Path, *, load_state: bool = True
+                  ) -> tuple[Path, dict[str, torch.Tensor] | None, int | None]:
     """The finetune ``run``'s drafter weights for ``which`` (best | last | step<N>):
-    ``(directory with layer_config.json or None, state dict, step)``."""
+    ``(directory with layer_config.json or None, state dict, step)``. With ``load_state=False`` the state is
+    None where the run handed these weights on as a file (the directory then holds them, ready to read)."""
     from safetensors.torch import load_file
 
     from draftline import tracking
@@ -142,7 +144,7 @@ def fetch_weights(run, which: str, dest: Path) -> tuple[Path, dict[str, torch.Te
         want = int(logged_step)  # no validation ran: the newest is all there is
     if want is not None and str(want) == logged_step:
         weights = tracking.download(f"{run.info.artifact_uri}/{WEIGHTS}", dest)
-        return weights, load_file(str(weights / WEIGHTS_FILE)), want
+        return weights, load_file(str(weights / WEIGHTS_FILE)) if load_state else None, want
     tag = BEST_TAG if which == "best" or str(want) == tags.get(f"{TAG_PREFIX}best_step") else f"step{want}"
     for where in (work_dir() / run_id / "checkpoints", None):
         if where is None:

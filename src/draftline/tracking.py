@@ -62,6 +62,17 @@ def setup(experiment: str | None = None, *, select_experiment: bool = True) -> s
     return uri
 
 
+def experiment_id() -> str:
+    """The experiment this process logs to, as :func:`setup` selected it (under ``mlflow run``: its run's)."""
+    import mlflow
+
+    if os.environ.get("MLFLOW_RUN_ID"):
+        return mlflow.MlflowClient().get_run(os.environ["MLFLOW_RUN_ID"]).info.experiment_id
+    if os.environ.get("MLFLOW_EXPERIMENT_ID"):
+        return os.environ["MLFLOW_EXPERIMENT_ID"]
+    return mlflow.get_experiment_by_name(os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT)).experiment_id
+
+
 def store_path(uri: str) -> Path | None:
     """The local file or folder a tracking URI names (``sqlite:///…``, ``file:…``, a bare path), else None
     (a server, an in-memory sqlite). Parsed as SQLAlchemy and MLflow parse them: ``sqlite:///mlflow.db`` is

@@ -16,7 +16,9 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -115,9 +117,47 @@ class BlobCache:
         return blob
 
     def scratch(self) -> tempfile.TemporaryDirectory:
-        """A temporary directory on the cache's file system, so ``put`` is a rename."""
+        """A temporary directory on the cache's file system, so ``put`` is a rename. Scratch folders that
+        killed pullers left behind are removed first (see :func:`sweep_scratch`)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        return tempfile.TemporaryDirectory(prefix=".incoming-", dir=self.root)
+        sweep_scratch(self.root, ".incoming-")
+        return tempfile.TemporaryDirectory(prefix=scratch_prefix(".incoming-"), dir=self.root)
+
+
+STALE_SCRATCH_S = 24 * 3600  # a scratch folder this old is left over, whoever made it
+
+
+def scratch_prefix(kind: str) -> str:
+    """``kind`` + ``<pid>@<host>-``: a folder whose maker can be seen to be gone (:func:`sweep_scratch`)."""
+    return f"{kind}{os.getpid()}@{socket.gethostname()}-"
+
+
+def sweep_scratch(folder: Path, kind: str) -> list[Path]:
+    """Remove the scratch folders ``kind*`` in ``folder`` whose maker is gone: made on this host by a process
+    that no longer runs (a puller killed with -9 cleans nothing up), or older than a day (made elsewhere: pods
+    on one node share a cache but not a process table). Returns what it removed."""
+    host, removed = socket.gethostname(), []
+    try:
+        entries = [e for e in folder.iterdir() if e.name.startswith(kind) and e.is_dir()]
+    except OSError:
+        return removed
+    for entry in entries:
+        maker = re.fullmatch(rf"{re.escape(kind)}(\d+)@(.+)-[^-]+", entry.name)
+        try:
+            stale = time.time() - entry.stat().st_mtime > STALE_SCRATCH_S
+        except OSError:
+            continue
+        if maker and maker.group(2) == host and int(maker.group(1)) != os.getpid():
+            try:
+                os.kill(int(maker.group(1)), 0)
+            except ProcessLookupError:
+                stale = True
+            except OSError:  # alive, someone else's
+                pass
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def _place(blob: Path, target: Path) -> None:
@@ -154,7 +194,8 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
     dest = Path(dest).absolute()
     dest.parent.mkdir(parents=True, exist_ok=True)
     stats = {"files": 0, "downloaded_bytes": 0, "cached_bytes": 0}
-    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.partial-", dir=dest.parent) as staging, \
+    sweep_scratch(dest.parent, f".{dest.name}.partial-")
+    with tempfile.TemporaryDirectory(prefix=scratch_prefix(f".{dest.name}.partial-"), dir=dest.parent) as staging, \
             _quiet_mlflow():
         staging = Path(staging)
         manifest = retrying(f"download {CHECKSUMS} of {base_uri}", lambda: _read_manifest(base_uri, staging))

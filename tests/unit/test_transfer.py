@@ -90,3 +90,38 @@ def test_a_file_rewritten_together_with_its_checksum_is_caught_by_the_registry_d
     with pytest.raises(VerificationError, match="does not match the export.sha256 the registry recorded"):
         fetch_directory(uri, tmp_path / "d", cache=None, manifest_digest=recorded)
     assert not (tmp_path / "d").exists()
+
+
+def test_scratch_left_by_a_killed_puller_is_swept_by_the_next_pull(store, tmp_path):
+    """A puller killed with -9 cleans nothing up; the next pull on this host removes its scratch folders (cache
+    and destination side), and leaves alone those of a puller still running."""
+    import socket
+    import subprocess
+    import sys
+
+    from draftline.testing.fleet import check_cache
+
+    uri = _publish(tmp_path, FILES)
+    cache, dest = BlobCache(), tmp_path / "pod" / "drafter"
+    cache.root.mkdir(parents=True)
+    dest.parent.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    host = socket.gethostname()
+    try:
+        left = [cache.root / f".incoming-{dead.pid}@{host}-abc123_x",
+                dest.parent / f".drafter.partial-{dead.pid}@{host}-q1w2e3r4"]
+        running = cache.root / f".incoming-{alive.pid}@{host}-zzzzzzzz"
+        for d in [*left, running]:
+            (d / "sub").mkdir(parents=True)
+            (d / "sub" / "model.safetensors").write_bytes(b"half a file")
+        fetch_directory(uri, dest, cache=cache, progress=False)
+        assert not any(d.exists() for d in left)
+        assert running.exists()
+        problems = check_cache(cache.root.parent.parent)  # only the running puller's scratch is left
+        assert f"scratch left behind: {running}" in problems and all(str(running) in p for p in problems)
+    finally:
+        alive.kill()
+        alive.wait()
+    assert sorted(p.name for p in dest.iterdir()) == sorted([*FILES, CHECKSUMS])

@@ -30,21 +30,6 @@ TARGET_STEP_TAG = "draftline.evaluate.step"
 RESULT_FILE = "evaluation.json"
 
 
-def experiment_id() -> str:
-    """The experiment this process logs to (after :func:`draftline.tracking.setup`)."""
-    import os
-
-    import mlflow
-
-    from draftline.tracking import DEFAULT_EXPERIMENT, EXPERIMENT_ENV
-
-    if os.environ.get("MLFLOW_RUN_ID"):
-        return mlflow.MlflowClient().get_run(os.environ["MLFLOW_RUN_ID"]).info.experiment_id
-    if os.environ.get("MLFLOW_EXPERIMENT_ID"):
-        return os.environ["MLFLOW_EXPERIMENT_ID"]
-    return mlflow.get_experiment_by_name(os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT)).experiment_id
-
-
 def _verifier(cfg: EvaluateConfig, manifest: dict) -> str:
     path = cfg.verifier or manifest["verifier"]
     if not Path(path).expanduser().is_dir():
@@ -81,23 +66,22 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     import mlflow
 
     from draftline import lineage, tracking
+    from draftline.data.refs import dataset_name, resolve_data
     from draftline.data.shards import open_prepared
     from draftline.evaluation.chain import recommend_num_speculative_tokens
     from draftline.evaluation.targets import load_drafter, resolve_target
     from draftline.evaluation.teacher_forced import measure
-    from draftline.train.finetune import _data_name, resolve_data
 
     progress = sys.stderr.isatty() if progress is None else progress
     tracking.setup()
     client = mlflow.MlflowClient()
     # every input is checked before the run exists: a typo leaves no failed run behind
-    data_run_id = tracking.parse_run_ref(cfg.data)[0] if cfg.data.startswith("runs:/") else None
     cache = work_dir() / "cache"
-    data = open_prepared(resolve_data(cfg.data, cache / "evaluation-data" / (data_run_id or "local")), verify=True)
+    data = open_prepared(resolve_data(cfg.data), verify=True)
     manifest = data.manifest
-    data_name = _data_name(client, data_run_id) if data_run_id else Path(cfg.data).name
+    data_name = dataset_name(client, cfg.data)
     verifier_dir = _verifier(cfg, manifest)
-    target = resolve_target(cfg.target, cache=cache, checkpoint=cfg.checkpoint, experiment_id=experiment_id())
+    target = resolve_target(cfg.target, cache=cache, checkpoint=cfg.checkpoint, experiment_id=tracking.experiment_id())
     drafter = load_drafter(target, verifier_dir, manifest["aux_layer_ids"], ttt_steps=cfg.num_speculative_tokens)
     records = data.records()
 

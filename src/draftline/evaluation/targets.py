@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str
 
     from draftline import lineage
     from draftline.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
-    from draftline.handoff import SELECTION_FILE, fetch_weights, write_weights
+    from draftline.handoff import fetch_weights, write_weights
     from draftline.parents import resolve_init
     from draftline.train.model import LAYER_FILE
 
@@ -62,11 +63,14 @@ def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str
     run = _finetune_run(client, ref.strip())
     if run is not None:
         dest = cache / "evaluate" / run.info.run_id / checkpoint
-        where, state, step = fetch_weights(run, checkpoint, dest / "fetched")
+        shutil.rmtree(dest, ignore_errors=True)  # a resumed run may have moved on since the last evaluation
+        where, state, step = fetch_weights(run, checkpoint, dest / "fetched", load_state=False)
         layer_file = where / LAYER_FILE
         layer = json.loads(layer_file.read_text()) if layer_file.is_file() else None
-        if not (where / SELECTION_FILE).is_file():  # consolidated from a ZeRO checkpoint: one weights layout
+        if state is not None:  # consolidated from a ZeRO checkpoint: written once, as a hand-off would be
             write_weights(state, dest / "weights", layer=layer, selected={"step": step, "selected": checkpoint})
+            del state
+            shutil.rmtree(dest / "fetched", ignore_errors=True)
             where = dest / "weights"
         files = find_checkpoint(where)
         return Target(ref=ref, kind="finetune-run", name=f"runs:/{run.info.run_id} ({checkpoint}, step {step})",

@@ -9,28 +9,13 @@ from collections.abc import Sequence
 import torch
 
 
-@torch.no_grad()
 def measure(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps: int, tokens_per_batch: int = 4096,
             progress: bool = False) -> dict[str, float]:
-    from tqdm.auto import tqdm
+    from draftline.train.model import metric_sums, summarise
 
-    from draftline.console import bar_kwargs
-    from draftline.train.batches import batch_plan
-    from draftline.train.model import accumulate, forward, loss_config, pack, summarise
-
-    model.eval()
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-    lengths = [int(r["input_ids"].numel()) for r in records]
-    chunks = sorted(batch_plan(lengths, tokens_per_batch, seed=0, epoch=0))
-    cfg = loss_config()
-    sums: dict[str, float] = {}
-    for chunk in tqdm(chunks, desc="teacher-forced", unit="batch", **bar_kwargs(progress)):
-        batch = pack([records[j] for j in chunk])
-        for key in ("hidden_states", "verifier_last_hidden_states"):
-            batch[key] = batch[key].to(dtype)
-        _, metrics = forward(model, batch, ttt_steps, cfg)
-        accumulate(sums, metrics)
-    return summarise(sums, ttt_steps)
+    return summarise(metric_sums(model, records, ttt_steps=ttt_steps, tokens_per_batch=tokens_per_batch,
+                                 dtype=dtype, progress=progress), ttt_steps)
 
 
 def prompts_of(records: Sequence[dict[str, torch.Tensor]]) -> list[list[int]]:

@@ -14,14 +14,18 @@ from pathlib import Path
 from draftline.util import free_port
 
 
-def basic_auth(root: Path, admin: tuple[str, str], database_uri: str | None = None) -> tuple[list[str], dict]:
+def basic_auth(root: Path, admin: tuple[str, str], database_uri: str | None = None, *,
+               auth_cache_ttl_s: int = 0) -> tuple[list[str], dict]:
     """``(extra args, env)`` for ``--app-name basic-auth``: users and permissions in ``database_uri`` (default a
-    sqlite file under ``root``), default permission READ, ``admin`` as the admin user."""
+    sqlite file under ``root``), default permission READ, ``admin`` as the admin user. ``auth_cache_ttl_s`` > 0
+    lets each server worker keep a checked credential that long (MLflow's ``auth_cache_ttl_seconds``; off by
+    default, so every request pays a password-hash check)."""
     root.mkdir(parents=True, exist_ok=True)
     ini, database_uri = root / "auth.ini", database_uri or f"sqlite:///{root / 'auth.db'}"
     ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = {database_uri}\n"
                    f"admin_username = {admin[0]}\nadmin_password = {admin[1]}\n"
-                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                   f"auth_cache_ttl_seconds = {int(auth_cache_ttl_s)}\n")
     return ["--app-name", "basic-auth"], {"MLFLOW_AUTH_CONFIG_PATH": str(ini),
                                           "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-secret-key"}
 

@@ -6,9 +6,7 @@ parent's layout, hash, vocabulary and aux layers are checked here, before any ra
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -21,40 +19,6 @@ from draftline.drafter_shape import aux_layer_ids, key_remap, layer_config
 from draftline.errors import CheckpointError, DataError
 from draftline.train.model import LAYER_FILE, PAIRING
 from draftline.train.spec import WorkerSpec
-
-
-def resolve_data(ref: str, dest: Path) -> Path:
-    """A local prepared-data directory, or ``runs:/<id>/data`` downloaded into ``dest`` (once)."""
-    from draftline.data.shards import MANIFEST
-    from draftline.tracking import download
-
-    if not ref.startswith(("runs:/", "models:/", "mlflow-artifacts:/")):
-        p = Path(ref).expanduser()
-        if not p.is_dir():
-            raise DataError(f"data {ref} is neither a directory nor a runs:/ URI: pass the output of prepare")
-        return p.resolve()
-    if (dest / MANIFEST).is_file():
-        return dest
-    import tempfile
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=dest.name + ".partial-", dir=dest.parent))
-    try:
-        got = download(ref, partial)
-        if not (got / MANIFEST).is_file():
-            raise DataError(f"data {ref} holds no {MANIFEST}: pass the data_uri that prepare printed")
-        with contextlib.suppress(OSError):  # another process may have put it there meanwhile: theirs is as good
-            os.replace(got, dest)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return dest
-
-
-def data_cache(ref: str) -> Path:
-    """Where a ``runs:/`` data set is kept once downloaded (artifacts never change: one copy serves every run)."""
-    import hashlib
-
-    return work_dir() / "cache" / "data" / hashlib.sha256(ref.encode()).hexdigest()[:16]
 
 
 def ds_config(cfg: FinetuneConfig) -> dict:
@@ -206,14 +170,6 @@ def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, dr
         log_params_once({"plan.fits": fits}, run_id)
 
 
-def _data_name(client, data_run_id: str | None) -> str:
-    """The name prepare gave the data set, so the finetune run's input matches prepare's."""
-    if data_run_id:
-        with contextlib.suppress(Exception):
-            return client.get_run(data_run_id).inputs.dataset_inputs[0].dataset.name
-    return "prepared"
-
-
 def check_resumable(run_id: str) -> None:
     """``--resume RUN_ID`` names a finetune run on this tracking server, trained in vLLM's pairing (a run
     started before draftline trained in that pairing cannot be continued in it)."""
@@ -242,6 +198,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
 
     from draftline import tracking
     from draftline.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
+    from draftline.data.refs import dataset_name, resolve_data
     from draftline.data.shards import open_prepared
     from draftline.parents import resolve_init
     from draftline.train.launcher import launch, resolve_ranks
@@ -254,9 +211,9 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     if resume_run:
         check_resumable(resume_run)
     data_run_id = tracking.parse_run_ref(cfg.data)[0] if cfg.data.startswith("runs:/") else None
-    data = open_prepared(resolve_data(cfg.data, data_cache(cfg.data)), verify=cfg.verify_data)
+    data = open_prepared(resolve_data(cfg.data), verify=cfg.verify_data)
     manifest = data.manifest
-    eval_data = open_prepared(resolve_data(cfg.eval_data, data_cache(cfg.eval_data)), verify=True) \
+    eval_data = open_prepared(resolve_data(cfg.eval_data), verify=True) \
         if cfg.eval_data else None
     if eval_data is not None:
         check_same_verifier(manifest, eval_data.manifest, cfg.eval_data)
@@ -330,7 +287,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
                              f"ZeRO-{cfg.zero_stage} on {ranks} rank(s), {cfg.steps} steps, pairing {PAIRING}.")})
         if not resume_run:  # the data set and the parent model as the run's inputs (the UI links them)
             client = mlflow.MlflowClient()
-            lineage.record_inputs(run_id, manifest=manifest, data_name=_data_name(client, data_run_id),
+            lineage.record_inputs(run_id, manifest=manifest, data_name=dataset_name(client, cfg.data),
                                   parent_model=lineage.parent_model_id(client, parent, sha256=sha, layout=layout,
                                                                        experiment_id=active.info.experiment_id))
 

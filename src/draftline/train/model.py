@@ -109,6 +109,36 @@ def accumulate(into: dict[str, float], metrics: dict[str, torch.Tensor]) -> dict
     return into
 
 
+@torch.no_grad()
+def metric_sums(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps: int, tokens_per_batch: int,
+                dtype: torch.dtype, device: torch.device | str = "cpu", loss_cfg=None, rank: int = 0,
+                world: int = 1, progress: bool = False) -> dict[str, float]:
+    """Summed ``*_sum``/``*_total`` metrics of ``model`` over ``records`` in fixed token-budget chunks (the same
+    chunks on every call): validation and evaluation both read a drafter through this. With ``world`` > 1 rank
+    ``rank`` takes every ``world``-th chunk, and every rank runs the same number of forwards (ZeRO-3 gathers
+    parameters collectively); a rank's surplus forward, on chunk 0, is not counted. :func:`summarise` the
+    (all-reduced) sums."""
+    from tqdm.auto import trange
+
+    from draftline.console import bar_kwargs
+    from draftline.train.batches import batch_plan
+
+    model.eval()
+    lengths = [int(r["input_ids"].numel()) for r in records]
+    chunks = sorted(batch_plan(lengths, tokens_per_batch, seed=0, epoch=0))
+    cfg = loss_cfg or loss_config()
+    sums: dict[str, float] = {}
+    for i in trange(-(-len(chunks) // world), desc="teacher-forced", unit="batch", **bar_kwargs(progress)):
+        idx = i * world + rank
+        batch = pack([records[j] for j in chunks[idx if idx < len(chunks) else 0]], device)
+        for key in ("hidden_states", "verifier_last_hidden_states"):
+            batch[key] = batch[key].to(dtype)
+        _, metrics = forward(model, batch, ttt_steps, cfg)
+        if idx < len(chunks):
+            accumulate(sums, metrics)
+    return sums
+
+
 def train_steps_in_process(model, records: Sequence[dict[str, torch.Tensor]], *, steps: int, lr: float,
                            ttt_steps: int = 3, tokens_per_batch: int = 2048, seed: int = 0,
                            progress: bool = False, callback=None, callback_every: int = 0) -> dict[str, float]:

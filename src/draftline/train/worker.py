@@ -50,21 +50,11 @@ def split_validation(records: list, fraction: float) -> tuple[list, list]:
 def validate(engine, val_records, spec, device, dtype, cfg, rank: int, world: int) -> dict[str, float]:
     """Metrics over the held-out samples, chunks split across ranks. Every rank runs the same number of
     forwards (ZeRO-3 gathers parameters collectively); surplus forwards are not counted."""
-    from draftline.train.batches import batch_plan
-    from draftline.train.model import accumulate, forward, pack, summarise
+    from draftline.train.model import metric_sums, summarise
 
     engine.eval()
-    lengths = [int(r["input_ids"].numel()) for r in val_records]
-    chunks = sorted(batch_plan(lengths, spec.tokens_per_batch, seed=0, epoch=0))
-    sums: dict[str, float] = {}
-    for i in range(-(-len(chunks) // world)):
-        idx = i * world + rank
-        batch = pack([val_records[j] for j in chunks[idx if idx < len(chunks) else 0]], device)
-        batch["hidden_states"] = batch["hidden_states"].to(dtype)
-        batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(dtype)
-        _, metrics = forward(engine, batch, spec.ttt_steps, cfg)
-        if idx < len(chunks):
-            accumulate(sums, metrics)
+    sums = metric_sums(engine, val_records, ttt_steps=spec.ttt_steps, tokens_per_batch=spec.tokens_per_batch,
+                       dtype=dtype, device=device, loss_cfg=cfg, rank=rank, world=world)
     return summarise(_all_reduce_sums(sums), spec.ttt_steps)
 
 
