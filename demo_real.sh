@@ -5,8 +5,7 @@
 #   team traffic:   GSM8K train prompts answered by SmolLM2 -> finetune from that parent (vocab rebuild) ->
 #                   evaluate parent and child on held-out GSM8K test prompts (the set promotion reads) and on the
 #                   4 held-out MT-Bench categories -> export -> promote to Production (only if the child beats it)
-# Needs `./setup.sh --real` (or a built verifier in $DRAFTLINE_CACHE_DIR). Sizes: the REAL_* variables below; the
-# defaults are sized (estimated, not measured) for ~25 minutes on a quiet 2-core machine.
+# Needs `./setup.sh --real` (or a built verifier in $DRAFTLINE_CACHE_DIR).
 # Tracking: $MLFLOW_TRACKING_URI, else the embedded sqlite:///$PWD/mlflow.db. Prints one JSON summary at the end
 # (also written to work/real/summary.json).
 set -euo pipefail
@@ -18,19 +17,26 @@ field() { "$PY" -c "import json,sys; print(json.load(sys.stdin)['$1'])"; }
 t0=$SECONDS; lap() { echo "== $1 took $((SECONDS - t0)) s" >&2; t0=$SECONDS; }
 export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-sqlite:///$PWD/mlflow.db}
 
+# Sizes: REAL_SCALE=quick (the default: ~25 min on a quiet 2-core machine) or full (75 min measured there; the
+# README gives both runs' figures). Any REAL_* variable below overrides its preset.
+case "${REAL_SCALE:-quick}" in
+  quick) p_mt=2 p_share=8  p_gtrain=64  p_geval=16 p_psteps=50  p_csteps=60  p_val=15 p_evp=8  p_evn=48 ;;
+  full)  p_mt=5 p_share=40 p_gtrain=160 p_geval=32 p_psteps=200 p_csteps=120 p_val=20 p_evp=16 p_evn=96 ;;
+  *) echo "demo_real.sh: REAL_SCALE is quick or full, not ${REAL_SCALE}" >&2; exit 2 ;;
+esac
 HELD_OUT=${REAL_HELD_OUT:-reasoning,math,coding,humanities}   # MT-Bench categories the parent never sees
-MT_PER_CATEGORY=${REAL_MT_PER_CATEGORY:-5}  # MT-Bench questions per category (10: all 80)
-SHAREGPT=${REAL_SHAREGPT:-40}          # ShareGPT dummy conversations in the parent's data
-GSM_TRAIN=${REAL_GSM_TRAIN:-160}       # GSM8K train prompts: the team's traffic
-GSM_EVAL=${REAL_GSM_EVAL:-32}          # GSM8K test prompts: the evaluation set (never trained on)
+MT_PER_CATEGORY=${REAL_MT_PER_CATEGORY:-$p_mt}  # MT-Bench questions per category (10: all 80)
+SHAREGPT=${REAL_SHAREGPT:-$p_share}    # ShareGPT dummy conversations in the parent's data
+GSM_TRAIN=${REAL_GSM_TRAIN:-$p_gtrain} # GSM8K train prompts: the team's traffic
+GSM_EVAL=${REAL_GSM_EVAL:-$p_geval}    # GSM8K test prompts: the evaluation set (never trained on)
 MAX_TOKENS=${REAL_MAX_TOKENS:-192}     # most tokens per regenerated reply
-PARENT_STEPS=${REAL_PARENT_STEPS:-200}
-CHILD_STEPS=${REAL_CHILD_STEPS:-120}
-VAL_EVERY=${REAL_VAL_EVERY:-20}        # validation (on the evaluation set, for the child) every N steps
+PARENT_STEPS=${REAL_PARENT_STEPS:-$p_psteps}
+CHILD_STEPS=${REAL_CHILD_STEPS:-$p_csteps}
+VAL_EVERY=${REAL_VAL_EVERY:-$p_val}    # validation (on the evaluation set, for the child) every N steps
 TOKENS=${REAL_TOKENS_PER_BATCH:-1024}  # per rank per step
-EVAL_PROMPTS=${REAL_EVAL_PROMPTS:-16}  # prompts measured by chain speculative decoding, per set
-EVAL_NEW=${REAL_EVAL_NEW_TOKENS:-96}
-BATCH=${REAL_SERVER_BATCH:-16}         # the loopback server batches this many greedy requests per generate
+EVAL_PROMPTS=${REAL_EVAL_PROMPTS:-$p_evp}  # prompts measured by chain speculative decoding, per set
+EVAL_NEW=${REAL_EVAL_NEW_TOKENS:-$p_evn}
+BATCH=${REAL_SERVER_BATCH:-32}         # the loopback server batches this many greedy requests per generate
 RANKS=${REAL_RANKS:-2}
 PRECISION=${REAL_PRECISION:-fp32}      # fp32 on CPUs: without AVX512-BF16 a bf16 matmul is ~100x slower
 CAPTURE_BATCH=${REAL_CAPTURE_BATCH:-2} # conversations per verifier forward when capturing (memory: ~1 GB each)
@@ -111,13 +117,14 @@ dl promote smollm2-gsm8k-drafter "$version" --to Production || promoted=false
 lap "promote"
 
 "$PY" - "$W" "$version" "$promoted" "$parent_run" "$child_run" <<'EOF' | tee "$W/summary.json"
-import json, sys
+import json, os, sys
 w, version, promoted, parent_run, child_run = sys.argv[1:]
 def ev(name):
     r = json.load(open(f"{w}/eval-{name}.json"))
     return {k: r.get(k) for k in ("teacher_forced_acceptance_length", "measured_acceptance_length",
                                   "acceptance_rate_per_position", "lossless", "prompts")}
 print(json.dumps({"model": f"models:/smollm2-gsm8k-drafter/{version}", "promoted": promoted == "true",
+                  "scale": os.environ.get("REAL_SCALE", "quick"),
                   "parent_finetune_run": parent_run, "child_finetune_run": child_run,
                   "gsm8k_test": {"parent": ev("parent-gsm8k"), "child": ev("child-gsm8k")},
                   "mt_bench_held_out": {"parent": ev("parent-mtbench"), "child": ev("child-mtbench")}}, indent=2))

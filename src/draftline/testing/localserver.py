@@ -15,11 +15,12 @@ from draftline.util import free_port
 
 
 def basic_auth(root: Path, admin: tuple[str, str], database_uri: str | None = None, *,
-               auth_cache_ttl_s: int = 0) -> tuple[list[str], dict]:
+               auth_cache_ttl_s: int = 60) -> tuple[list[str], dict]:
     """``(extra args, env)`` for ``--app-name basic-auth``: users and permissions in ``database_uri`` (default a
-    sqlite file under ``root``), default permission READ, ``admin`` as the admin user. ``auth_cache_ttl_s`` > 0
-    lets each server worker keep a checked credential that long (MLflow's ``auth_cache_ttl_seconds``; off by
-    default, so every request pays a password-hash check)."""
+    sqlite file under ``root``), default permission READ, ``admin`` as the admin user. Each server worker keeps
+    a checked credential ``auth_cache_ttl_s`` seconds, as the README's team setup recommends (MLflow's
+    ``auth_cache_ttl_seconds``; MLflow's default, 0, checks the password hash on every request: ~10x slower, see
+    ``benchmarks/server_requests.py``)."""
     root.mkdir(parents=True, exist_ok=True)
     ini, database_uri = root / "auth.ini", database_uri or f"sqlite:///{root / 'auth.db'}"
     ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = {database_uri}\n"
