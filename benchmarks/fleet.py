@@ -39,6 +39,12 @@ def run(counts=(1, 8, 32), mib: int = 16, versions: int = 4, every_s: float = 0.
     rounds = {}
     with tempfile.TemporaryDirectory(prefix="draftline-bench-fleet-", dir=os.environ.get("BENCH_TMP")) as tmp:
         tmp = Path(tmp)
+        # integrity rules only: the versions are bytes nobody evaluated (the pulls, not the gates, are measured)
+        policies = tmp / "policies"
+        policies.mkdir()
+        for stage in ("Production", "Staging"):
+            (policies / f"{stage.lower()}.yaml").write_text(f"stage: {stage}\nexport_validated: false\n")
+        os.environ["DRAFTLINE_REGISTRY_POLICIES"] = str(policies)
         pg = start_postgres()
         try:
             extra, env = basic_auth(tmp / "server", ADMIN, pg.create_database("mlflow_auth"),
@@ -63,7 +69,7 @@ def run(counts=(1, 8, 32), mib: int = 16, versions: int = 4, every_s: float = 0.
                 stop(proc)
         finally:
             pg.stop()
-    return {"shape": "postgres", "mib_per_version": mib, "versions": versions, "promote_every_s": every_s,
+    return {"shape": "postgres" if auth_cache_ttl_s else "postgres-uncached-auth", "mib_per_version": mib, "versions": versions, "promote_every_s": every_s,
             "server": "mlflow server, PostgreSQL 15, basic-auth, proxied artifacts, 2 workers",
             "auth_cache_ttl_seconds": auth_cache_ttl_s,
             "server_start_s": round(server_start_s, 1), "rounds": rounds,
