@@ -144,12 +144,11 @@ def as_admin(monkeypatch, uri: str) -> str:
     return uri
 
 
-@pytest.fixture(params=["sqlite", "server", pytest.param("postgres", marks=pytest.mark.benchmark)])
+@pytest.fixture(params=["sqlite", "server", pytest.param("postgres", marks=pytest.mark.integration)])
 def store(request, workspace, monkeypatch):
     """The registry on the embedded sqlite store, on a real `mlflow server` on loopback (sqlite), and on the
-    team setup (`mlflow server` on PostgreSQL with basic-auth, as its admin). The PostgreSQL variants take
-    10-20x as long (every request through basic-auth on PostgreSQL): they are in the benchmark tier
-    (`pytest -m benchmark`); the full suite runs the team setup through test_auth."""
+    team setup (`mlflow server` on PostgreSQL with basic-auth and its credential cache, as its admin). The
+    PostgreSQL variants run in the full suite (`--all`, as CI), not the quick loop: ~80 s together."""
     if request.param == "server":
         uri = request.getfixturevalue("mlflow_server")
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

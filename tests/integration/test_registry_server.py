@@ -14,7 +14,7 @@ from ..unit.test_registry import _version
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("store", ["server", pytest.param("postgres", marks=pytest.mark.benchmark)], indirect=True)
+@pytest.mark.parametrize("store", ["server", "postgres"], indirect=True)
 def test_eight_racing_promotions_show_exactly_one_production_at_every_observation(store, mechanics_policies):
     """On sqlite every write is serialised by the database itself; on PostgreSQL the server's workers run
     their transactions side by side, and only draftline's lock keeps the promotions apart."""
