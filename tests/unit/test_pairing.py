@@ -100,3 +100,22 @@ def build_vocab_for(data):
     from draftline.vocab import build_vocab
 
     return build_vocab(data.token_freqs(), 256)
+
+
+def test_validation_on_fewer_chunks_than_ranks_gives_every_rank_the_same_metrics(tiny, prepared):
+    """A validation set of one chunk on two ranks: rank 1 only runs the surplus forward. Its sums must carry the
+    same keys (zeros) as rank 0's, or the ranks all-reduce tensors of different lengths and hang (found by
+    demo_real.sh: a parent finetune with 3 held-out samples stopped at step 0)."""
+    from draftline.train.model import metric_sums
+
+    data = open_prepared(prepared)
+    one_chunk = data.records()[:2]
+    d2t, t2d = build_vocab_for(data)
+    model = build_draft_model(str(tiny["verifier"]), d2t=d2t, t2d=t2d, aux_layer_ids=data.manifest["aux_layer_ids"],
+                              draft_vocab_size=256, dtype=torch.float32)
+    kw = dict(ttt_steps=3, tokens_per_batch=100_000, dtype=torch.float32, world=2)
+    rank0, rank1 = metric_sums(model, one_chunk, rank=0, **kw), metric_sums(model, one_chunk, rank=1, **kw)
+    assert sorted(rank0) == sorted(rank1) and rank0
+    assert all(v == 0 for v in rank1.values())  # nothing counted twice
+    alone = metric_sums(model, one_chunk, rank=0, **{**kw, "world": 1})
+    assert {k: rank0[k] + rank1[k] for k in rank0} == alone

@@ -134,8 +134,8 @@ def metric_sums(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps:
         for key in ("hidden_states", "verifier_last_hidden_states"):
             batch[key] = batch[key].to(dtype)
         _, metrics = forward(model, batch, ttt_steps, cfg)
-        if idx < len(chunks):
-            accumulate(sums, metrics)
+        # a surplus forward adds zeros under the same keys: every rank all-reduces a tensor of the same length
+        accumulate(sums, metrics if idx < len(chunks) else {k: v * 0 for k, v in metrics.items()})
     return sums
 
 
