@@ -92,6 +92,7 @@ def test_a_file_rewritten_together_with_its_checksum_is_caught_by_the_registry_d
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)  # sweeping is local: the store does not matter
 def test_scratch_left_by_a_killed_puller_is_swept_by_the_next_pull(store, tmp_path):
     """A puller killed with -9 cleans nothing up; the next pull on this host removes its scratch folders (cache
     and destination side), and leaves alone those of a puller still running."""
