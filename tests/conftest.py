@@ -16,6 +16,16 @@ os.environ.setdefault("LOGURU_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("MLFLOW_RUN_ID", None)
+# Real vLLM (the venv of `./setup.sh --vllm`) only where a test asks for it (the `vllm_python` fixture): export's
+# vLLM check and evaluate's vLLM backend would otherwise start a vLLM server in every test that exports.
+from draftline.serving.engine import PYTHON_ENV as _VLLM_ENV  # noqa: E402
+from draftline.serving.engine import vllm_python as _find_vllm  # noqa: E402
+
+try:
+    VLLM_PYTHON = _find_vllm()
+except Exception:  # noqa: BLE001 (a bad DRAFTLINE_VLLM_PYTHON: the vLLM tests say so when they skip)
+    VLLM_PYTHON = None
+os.environ[_VLLM_ENV] = "off"
 
 
 def pytest_addoption(parser):
@@ -102,6 +112,18 @@ def mlflow_server(tmp_path_factory):
     proc, uri = _start_server(tmp_path_factory.mktemp("mlflow-server"))
     yield uri
     _stop(proc)
+
+
+@pytest.fixture()
+def vllm_python(monkeypatch):
+    """The python of the vLLM venv, switched on for this test (and its subprocesses). Skipped, saying why, where
+    there is none, unless DRAFTLINE_REQUIRE_VLLM=1 (.ci/run sets it once it has built .venv-vllm)."""
+    if VLLM_PYTHON is None:
+        if os.environ.get("DRAFTLINE_REQUIRE_VLLM") == "1":
+            pytest.fail("DRAFTLINE_REQUIRE_VLLM=1 but there is no vLLM venv (.venv-vllm): ./setup.sh --vllm")
+        pytest.skip("no vLLM venv (.venv-vllm): ./setup.sh --vllm builds it")
+    monkeypatch.setenv(_VLLM_ENV, str(VLLM_PYTHON))
+    return VLLM_PYTHON
 
 
 @pytest.fixture(scope="session")

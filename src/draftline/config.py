@@ -131,6 +131,10 @@ class ExportConfig(_Strict):
     checkpoint: str = Field("best", pattern=r"^(best|last|step\d+)$", description="Which checkpoint of the "
                             "finetune run: best (by val/acceptance_length; the newest when no validation ran), "
                             "last, or step<N>.")
+    vllm_check: Literal["auto", "on", "off"] = Field("auto", description="Before registering, load the export in "
+                                                     "real vLLM beside the verifier and draft with it (auto: when "
+                                                     "the vLLM venv of `./setup.sh --vllm` is there; on: required; "
+                                                     "off: the speculators reload only).")
 
 
 class EvaluateConfig(_Strict):
@@ -148,6 +152,12 @@ class EvaluateConfig(_Strict):
     max_new_tokens: int = Field(128, ge=1, le=8192, description="Tokens generated per prompt when measuring.")
     max_prompts: int | None = Field(None, ge=1, description="Measure on at most this many prompts (default: "
                                     "every sample's prompt).")
+    backend: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="Where the measured figure comes from: vllm (a loopback vLLM server from the vLLM venv "
+        "of `./setup.sh --vllm`, float32, its output checked token for token against a plain vLLM server), "
+        "transformers (greedy chain decoding in this process), auto (vllm when its venv is there).")
+    cross_check: bool = Field(False, description="With the vllm backend, also measure in this process and log "
+                              "that figure too (eval/inprocess/*), with the difference.")
     vllm_endpoint: str | None = Field(None, description="Measure on a vLLM server serving the verifier with this "
                                       "drafter (its OpenAI base URL, e.g. http://127.0.0.1:8000/v1), reading its "
                                       "spec-decode counters, instead of in this process.")

@@ -62,7 +62,7 @@ def layer_config(verifier_name_or_path: str, parent_config: dict | None = None) 
     verifier = AutoConfig.from_pretrained(verifier_name_or_path)
     verifier = getattr(verifier, "text_config", verifier)
     if verifier.model_type in SUPPORTED_LAYERS:
-        out = verifier.to_dict()
+        out = decoder_layer_fields(verifier)
     else:
         fields = _parent_layer_fields(parent_config) or {
             "hidden_size": verifier.hidden_size, "intermediate_size": verifier.intermediate_size,
@@ -73,6 +73,24 @@ def layer_config(verifier_name_or_path: str, parent_config: dict | None = None) 
             "hidden_act": "silu", "rope_parameters": getattr(verifier, "rope_parameters", None)}
         out = {"model_type": "llama", **{k: v for k, v in fields.items() if k in LLAMA_LAYER_KEYS and v is not None}}
     out.update(num_hidden_layers=1, vocab_size=verifier.vocab_size)
+    return out
+
+
+# What a verifier's config.json carries that is not its decoder layer's: identity, the head and, above all,
+# quantization. vLLM loads a drafter layer whose config has a ``quantization_config`` as quantized (and refuses it:
+# "Unknown quantization method"); production verifiers mostly ship one (FP8 block-quantized Kimi-K2/DeepSeek-V3,
+# compressed-tensors INT4 Kimi-K2.5), so the drafter must never inherit it.
+VERIFIER_ONLY_KEYS = ("_name_or_path", "architectures", "transformers_version", "auto_map", "id2label", "label2id",
+                      "problem_type", "quantization_config", "compression_config", "tokenizer_class")
+
+
+def decoder_layer_fields(verifier) -> dict:
+    """The fields of a Llama/Qwen3 verifier's config that describe its decoder layer: the keys its config class
+    defines, less :data:`VERIFIER_ONLY_KEYS` (extra keys a hub config adds, quantization among them, dropped)."""
+    known = set(type(verifier)().to_dict())
+    out = {k: v for k, v in verifier.to_dict().items() if k in known and k not in VERIFIER_ONLY_KEYS}
+    if isinstance(out.get("layer_types"), list):  # per layer; the drafter has one
+        out["layer_types"] = out["layer_types"][:1]
     return out
 
 
@@ -128,7 +146,7 @@ def verifier_config(verifier: str, *, draft_vocab_size: int, aux_layer_ids: list
     from transformers import AutoConfig
 
     vc = AutoConfig.from_pretrained(verifier)
-    fields = dict(layer or layer_config(verifier))
+    fields = {k: v for k, v in (layer or layer_config(verifier)).items() if k not in VERIFIER_ONLY_KEYS}
     layer_cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     return speculator_config(layer_cfg, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
                              verifier=verifier, architectures=vc.architectures)

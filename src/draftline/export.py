@@ -285,10 +285,12 @@ def run(cfg: ExportConfig) -> dict[str, str]:
         from draftline.evaluation.stage import attach, evaluations_for
 
         evaluated = evaluations_for(client, ft_id, step)
-        k = recommended_k(evaluated)
-        if k is not None:  # measured: vLLM reads num_speculative_tokens from here
+        found = recommended_k(evaluated, policy_set())
+        k = found[0] if found else None
+        if found:  # measured: vLLM reads num_speculative_tokens from here, and pull prints the same
             model.config.speculators_config.proposal_methods[0].speculative_tokens = k
             lineage["eval.recommended_num_speculative_tokens"] = str(k)
+            lineage["eval.recommended_num_speculative_tokens.set"] = found[1]
         out = tmp / "drafter"
         try:
             with _room_in_tmp(out):
@@ -297,8 +299,9 @@ def run(cfg: ExportConfig) -> dict[str, str]:
             raise DraftlineError(f"cannot write the export to {e.filename or out} ({e.strerror}): point TMPDIR "
                                  "at a writable directory") from None
         validate(model, out, verifier_path=local_verifier(params))
+        vllm_check = check_in_vllm(cfg.vllm_check, out, local_verifier(params), k or int(params.get("ttt_steps", 3)))
         tracking.log_params_once({"export.layout": cfg.layout, "export.registered_model": cfg.registered_model,
-                                  "export.checkpoint": cfg.checkpoint,
+                                  "export.checkpoint": cfg.checkpoint, "export.vllm_check": vllm_check,
                                   **{k: v for k, v in lineage.items() if k != "ttt_steps"}})
         # the drafter is an MLflow 3 LoggedModel: lineage as its params, the finetune run's metrics on it
         logged = mlflow.initialize_logged_model(
@@ -326,7 +329,7 @@ def run(cfg: ExportConfig) -> dict[str, str]:
             with contextlib.suppress(Exception):
                 mlflow.finalize_logged_model(logged.model_id, "FAILED")
             raise
-        tags = {**lineage, "export.sha256": export_sha, "export.validated": "true",
+        tags = {**lineage, "export.sha256": export_sha, "export.validated": "true", "export.vllm_check": vllm_check,
                 "export.run_id": active.info.run_id,
                 **{f"metric.{k}": f"{v:.4f}" for k, v in metrics.items()}}
         mlflow.set_tags({"export.sha256": export_sha, "export.validated": "true",
@@ -341,14 +344,54 @@ def run(cfg: ExportConfig) -> dict[str, str]:
             "version": str(version.version)}
 
 
-def recommended_k(evaluated: list[dict]) -> int | None:
-    """The num_speculative_tokens the newest measured evaluation recommends, if any."""
+def check_in_vllm(mode: str, out: Path, verifier_dir: str, k: int) -> str:
+    """Load the export in real vLLM beside the verifier and draft with it (``mode`` auto|on|off); what happened,
+    in words, for the ``export.vllm_check`` tag. A refusal by vLLM raises, naming vLLM's own error."""
+    from draftline.console import say
+    from draftline.serving.engine import vllm_python
+
+    if mode == "off":
+        return "off"
+    python = vllm_python(required=mode == "on")
+    if python is None:
+        return "skipped: no vLLM venv (./setup.sh --vllm)"
+    from draftline.serving.checks import check_serves
+    from draftline.serving.engine import EngineError
+
+    say(f"[draftline] loading the export in vLLM beside {verifier_dir} (k={k}) ...")
+    try:
+        found = check_serves(out, verifier_dir, k=k, python=python)
+    except EngineError as e:
+        raise CheckpointError(f"export validation failed: vLLM refuses this drafter ({e}); nothing was "
+                              "registered") from None
+    say(f"[draftline] vLLM served the export: {found['drafts']} drafts in {found['seconds']} s")
+    return f"passed: {found['drafts']} drafts, acceptance length {found['acceptance_length']} on probe prompts"
+
+
+def recommended_k(evaluated: list[dict], preferred_set: str | None = None) -> tuple[int, str] | None:
+    """``(num_speculative_tokens, the evaluation set it came from)``: from the measured evaluation on
+    ``preferred_set`` (the set the Production policy judges by: a name or a digest prefix) when there is one,
+    else from the newest measured evaluation."""
     from draftline.evaluation.results import RECOMMENDED_K
 
-    for result in evaluated:
-        if RECOMMENDED_K in result["metrics"]:
-            return int(result["metrics"][RECOMMENDED_K])
+    measured = [r for r in evaluated if RECOMMENDED_K in r["metrics"]]
+    on_set = [r for r in measured if preferred_set and (r["data"]["name"] == preferred_set or (
+        len(preferred_set) >= 8 and r["data"]["digest"].startswith(preferred_set)))]
+    for result in on_set or measured:
+        return int(result["metrics"][RECOMMENDED_K]), result["data"]["name"]
     return None
+
+
+def policy_set(stage: str = "Production") -> str | None:
+    """The evaluation set the ``stage`` policy judges by (None when it has no policy or names none)."""
+    from draftline.errors import ConfigError
+    from draftline.policies import load_policy, policy_path
+
+    try:
+        rule = load_policy(policy_path(stage)).evaluation
+    except ConfigError:
+        return None
+    return rule.data if rule else None
 
 
 def export_digest(manifest: dict[str, str]) -> str:

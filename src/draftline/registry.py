@@ -137,6 +137,14 @@ def vllm_command(directory: Path, verifier: str, num_speculative_tokens: int = 3
     return f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(json.dumps(spec))}", spec
 
 
+def exported_k(config: dict, tags: dict) -> int:
+    """The num_speculative_tokens the export wrote into its config (what ``vllm serve <dir>`` uses), so the
+    printed command and the short form agree."""
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    k = methods[0].get("speculative_tokens")
+    return int(k if k else tags.get("eval.recommended_num_speculative_tokens") or tags.get("ttt_steps", 3))
+
+
 def pull(client, name: str, *, stage: str | None, alias: str | None, version: str | None, dest: Path,
          verifier: str | None = None, use_cache: bool = True) -> dict:
     """Download a version into ``dest``, every file verified against its sha256 while it arrives (files
@@ -163,7 +171,7 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
                             manifest_digest=mv.tags.get("export.sha256"))
     config = json.loads((local / "config.json").read_text())
     served = config["speculators_config"]["verifier"]["name_or_path"]
-    steps = int(mv.tags.get("ttt_steps", 3))
+    steps = exported_k(config, mv.tags)
     cmd, spec = vllm_command(local.absolute(), verifier or served, steps)
     return {"version": mv.version, "path": str(local.absolute()), "command": cmd, "speculative_config": spec,
             "verifier": served, "downloaded_bytes": stats["downloaded_bytes"], "cached_bytes": stats["cached_bytes"]}

@@ -45,6 +45,7 @@ class ChainResult:
     mismatches: list[dict] = field(default_factory=list)  # {"prompt", "position", "expected", "got"}
     lossless_checked: bool = True  # False where the backend cannot see the verifier's own greedy output
     backend: str = "transformers"
+    outputs: list[list[int]] = field(default_factory=list, repr=False)  # generated token ids, per prompt
 
     @property
     def acceptance_length(self) -> float:
@@ -81,7 +82,7 @@ class ChainResult:
         return out
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "acceptance_length": self.acceptance_length,
+        return {**{k: v for k, v in asdict(self).items() if k != "outputs"}, "acceptance_length": self.acceptance_length,
                 "per_position_rates": self.per_position_rates}
 
 
@@ -226,7 +227,8 @@ def measure_chain(verifier, drafter, prompts: list[list[int]], *, k: int, max_ne
             mismatches.append(miss)
     return ChainResult(k=k, prompts=len(prompts), drafts=counters.drafts, draft_tokens=counters.draft_tokens,
                        accepted=counters.accepted, accepted_per_pos=counters.accepted_per_pos,
-                       generated_tokens=sum(len(o) for o in outputs), seconds=seconds, mismatches=mismatches)
+                       generated_tokens=sum(len(o) for o in outputs), seconds=seconds, mismatches=mismatches,
+                       outputs=outputs)
 
 
 def recommend_num_speculative_tokens(per_position_rates: list[float], draft_cost_ratio: float = 0.05) -> int:

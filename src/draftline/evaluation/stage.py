@@ -38,18 +38,21 @@ def _verifier(cfg: EvaluateConfig, manifest: dict) -> str:
     return str(Path(path).expanduser())
 
 
-def _measure(cfg: EvaluateConfig, drafter, verifier_dir: str, records, progress: bool):
-    """Measured acceptance: ``(ChainResult, prompts used)``."""
-    from draftline.evaluation.teacher_forced import prompts_of
-
-    prompts = prompts_of(records)[: cfg.max_prompts]
-    if not prompts:
-        raise DataError("the evaluation set has no sample with a prompt before its first assistant token")
+def backend_of(cfg: EvaluateConfig) -> str:
+    """Where the measured figure comes from: ``vllm-endpoint`` (a server the user runs), ``vllm`` (a loopback
+    vLLM this command starts), ``transformers`` (in this process) or ``none``. Checked before the run exists."""
+    if not cfg.measured:
+        return "none"
     if cfg.vllm_endpoint:
-        from draftline.evaluation.vllm_backend import measure_vllm
+        return "vllm-endpoint"
+    if cfg.backend == "transformers":
+        return "transformers"
+    from draftline.serving.engine import vllm_python
 
-        return measure_vllm(cfg.vllm_endpoint, cfg.vllm_model, prompts, max_new_tokens=cfg.max_new_tokens,
-                            concurrency=cfg.concurrency), len(prompts)
+    return "vllm" if vllm_python(required=cfg.backend == "vllm") else "transformers"
+
+
+def _in_process(cfg: EvaluateConfig, drafter, verifier_dir: str, prompts, progress: bool):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from draftline.evaluation.chain import measure_chain
@@ -58,7 +61,30 @@ def _measure(cfg: EvaluateConfig, drafter, verifier_dir: str, records, progress:
     eos = GenerationConfig.from_model_config(verifier.config).eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return measure_chain(verifier, drafter, prompts, k=cfg.num_speculative_tokens,
-                         max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos_ids, progress=progress), len(prompts)
+                         max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos_ids, progress=progress)
+
+
+def _measure(cfg: EvaluateConfig, backend: str, drafter, verifier_dir: str, records, progress: bool):
+    """Measured acceptance: ``(ChainResult, prompts used, in-process cross-check or None)``."""
+    from draftline.evaluation.teacher_forced import prompts_of
+
+    prompts = prompts_of(records)[: cfg.max_prompts]
+    if not prompts:
+        raise DataError("the evaluation set has no sample with a prompt before its first assistant token")
+    if backend == "vllm-endpoint":
+        from draftline.evaluation.vllm_backend import measure_vllm
+
+        return measure_vllm(cfg.vllm_endpoint, cfg.vllm_model, prompts, max_new_tokens=cfg.max_new_tokens,
+                            concurrency=cfg.concurrency, progress=progress), len(prompts), None
+    if backend == "vllm":
+        from draftline.evaluation.loopback import measure_loopback
+
+        served = measure_loopback(drafter, verifier_dir, prompts, k=cfg.num_speculative_tokens,
+                                  max_new_tokens=cfg.max_new_tokens, concurrency=cfg.concurrency,
+                                  progress=progress)
+        cross = _in_process(cfg, drafter, verifier_dir, prompts, progress) if cfg.cross_check else None
+        return served, len(prompts), cross
+    return _in_process(cfg, drafter, verifier_dir, prompts, progress), len(prompts), None
 
 
 def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
@@ -81,6 +107,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     manifest = data.manifest
     data_name = dataset_name(client, cfg.data)
     verifier_dir = _verifier(cfg, manifest)
+    backend = backend_of(cfg)
     target = resolve_target(cfg.target, cache=cache, checkpoint=cfg.checkpoint, experiment_id=tracking.experiment_id())
     drafter = load_drafter(target, verifier_dir, manifest["aux_layer_ids"], ttt_steps=cfg.num_speculative_tokens)
     records = data.records()
@@ -88,7 +115,11 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     tf = measure(drafter, records, ttt_steps=cfg.num_speculative_tokens, tokens_per_batch=cfg.tokens_per_batch,
                  progress=progress)
     metrics = {f"eval/teacher_forced/{k}": v for k, v in tf.items() if not k.startswith("loss")}
-    chain, n_prompts = (_measure(cfg, drafter, verifier_dir, records, progress) if cfg.measured else (None, 0))
+    chain, n_prompts, cross = (_measure(cfg, backend, drafter, verifier_dir, records, progress) if cfg.measured
+                               else (None, 0, None))
+    if cross is not None:  # the in-process chain beside vLLM's figure, on the same prompts
+        metrics.update({f"eval/inprocess/{k}": v for k, v in cross.metrics().items()})
+        metrics["eval/inprocess/acceptance_length_difference"] = chain.acceptance_length - cross.acceptance_length
     if chain is not None:
         metrics.update({f"eval/measured/{k}": v for k, v in chain.metrics().items()})
         recommended = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
@@ -113,8 +144,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
             "data.digest": manifest["digest"], "data.name": data_name, "data.uri": cfg.data,
             "verifier.name_or_path": manifest.get("verifier_id") or manifest["verifier"],
             "num_speculative_tokens": cfg.num_speculative_tokens, "max_new_tokens": cfg.max_new_tokens,
-            "prompts": n_prompts, "backend": "vllm" if cfg.vllm_endpoint else "transformers" if cfg.measured
-            else "none", "draft_cost_ratio": cfg.draft_cost_ratio})
+            "prompts": n_prompts, "backend": backend, "draft_cost_ratio": cfg.draft_cost_ratio})
         mlflow.log_input(dataset, context="evaluation", tags=lineage.data_set_tags(manifest))
         mlflow.log_metrics(metrics, step=0)
         if target.model_id:  # onto the drafter's LoggedModel, linked to the evaluation set
@@ -132,8 +162,11 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     if chain is not None:
         out.update({"measured_acceptance_length": round(chain.acceptance_length, 4),
                     "acceptance_rate_per_position": [round(r, 4) for r in chain.per_position_rates],
-                    "lossless": not chain.mismatches, "prompts": n_prompts,
+                    "lossless": chain.lossless if chain.lossless_checked else None, "prompts": n_prompts,
+                    "backend": backend,
                     "recommended_num_speculative_tokens": int(metrics[results.RECOMMENDED_K])})
+        if cross is not None:
+            out["inprocess_acceptance_length"] = round(cross.acceptance_length, 4)
     return out
 
 

@@ -1,130 +1,74 @@
 """Measured acceptance from a vLLM server: greedy completions of token-id prompts, read from vLLM's
-spec-decode Prometheus counters before and after.
+spec-decode Prometheus counters before and after (``draftline.serving.client``).
 
-vLLM (``vllm/v1/spec_decode/metrics.py``, ``SpecDecodingProm``) exports the counters ``vllm:spec_decode_num_drafts``,
-``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` and
-``vllm:spec_decode_num_accepted_tokens_per_pos`` (label ``position`` = 0..k-1), labelled ``model_name`` and
-``engine``; the Prometheus client adds ``_total`` to a counter's samples at ``GET /metrics`` (the server root,
-not under ``/v1``). The difference after minus before is what our requests drafted and accepted, provided
-nothing else runs on that server meanwhile. The verifier's own greedy output is not visible there, so the
-lossless check is not made (``ChainResult.lossless_checked`` is False).
+The verifier's own greedy output is not visible on a speculative server, so the lossless check needs a second,
+plain server: :func:`lossless_against` compares the outputs with its greedy outputs, token for token (the
+loopback backend of ``evaluate`` does that; against a server the user runs, ``lossless_checked`` is False).
 """
 
 from __future__ import annotations
 
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from draftline.errors import DataError
-from draftline.evaluation.chain import ChainResult
-
-PREFIX = "vllm:spec_decode_"
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
-_SAMPLE = re.compile(r'^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)')
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+from draftline.evaluation.chain import ChainResult, first_mismatch
+from draftline.serving.client import auth_headers, complete, read_counters, settled_counters
 
 
-def parse_counters(text: str, model: str | None = None) -> dict[str, float | dict[int, float]]:
-    """The spec-decode counters in a Prometheus text exposition, summed over engines (series of other
-    ``model_name`` values left out); ``num_accepted_tokens_per_pos`` by position."""
-    out: dict[str, float | dict[int, float]] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or not m["name"].startswith(PREFIX) or not m["name"].endswith("_total"):
-            continue
-        name = m["name"][len(PREFIX):-len("_total")]
-        if name not in COUNTERS:
-            continue
-        labels = dict(_LABEL.findall(m["labels"] or ""))
-        if model is not None and labels.get("model_name", model) != model:
-            continue
-        value = float(m["value"])
-        if name == "num_accepted_tokens_per_pos":
-            per = out.setdefault(name, {})
-            pos = int(labels.get("position", 0))
-            per[pos] = per.get(pos, 0.0) + value
-        else:
-            out[name] = out.get(name, 0.0) + value
-    return out
+def generate_all(endpoint: str, model: str, prompts: list[list[int]], *, max_new_tokens: int,
+                 concurrency: int = 8, timeout_s: float = 600.0, progress: bool = False,
+                 what: str = "vLLM") -> tuple[list[list[int]], float]:
+    """Greedy completions of every prompt, ``concurrency`` in flight: ``(outputs in prompt order, seconds)``."""
+    from tqdm import tqdm
 
+    from draftline.console import bar_kwargs
 
-def server_root(endpoint: str) -> str:
-    """``http://host:8000/v1`` -> ``http://host:8000`` (where vLLM serves ``/metrics``)."""
-    root = endpoint.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
-
-
-def read_counters(endpoint: str, model: str, headers: dict[str, str], timeout_s: float = 30.0) -> dict:
-    from draftline.data.regenerate import redact
-
-    url = server_root(endpoint) + "/metrics"
-    try:
-        r = httpx.get(url, headers=headers, timeout=timeout_s)
-        r.raise_for_status()
-    except httpx.HTTPError as e:
-        raise DataError(f"cannot read vLLM's metrics at {redact(url)} ({type(e).__name__}: {e}): pass the "
-                        "server's OpenAI base URL (ending in /v1) as --vllm-endpoint") from None
-    counters = parse_counters(r.text, model)
-    missing = [c for c in COUNTERS if c not in counters]
-    if missing:
-        raise DataError(f"{redact(url)} exposes no {', '.join(PREFIX + c for c in missing)} for model {model}: "
-                        "serve the verifier with the drafter (`vllm serve <verifier> --speculative-config "
-                        "'{\"model\": \"<drafter>\", \"method\": \"eagle3\", \"num_speculative_tokens\": K}'`)")
-    return counters
-
-
-def _settled(endpoint: str, model: str, headers: dict[str, str], wait_s: float = 5.0) -> dict:
-    """The counters once two reads agree (vLLM records a step's stats as its outputs are processed)."""
-    last = read_counters(endpoint, model, headers)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = read_counters(endpoint, model, headers)
-        if now == last:
-            break
-        last = now
-    return last
+    headers = auth_headers()
+    start, tokens = time.perf_counter(), [0]
+    with httpx.Client() as client, ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool, \
+            tqdm(total=len(prompts), desc=f"[draftline] {what}", unit="prompt", **bar_kwargs(progress)) as bar:
+        def one(prompt: list[int]) -> list[int]:
+            out = complete(client, endpoint, model, prompt, max_tokens=max_new_tokens, headers=headers,
+                           timeout_s=timeout_s)
+            tokens[0] += len(out)
+            bar.update(1)
+            bar.set_postfix_str(f"{tokens[0] / max(time.perf_counter() - start, 1e-9):.0f} tokens/s")
+            return out
+        outputs = list(pool.map(one, prompts))
+    return outputs, time.perf_counter() - start
 
 
 def measure_vllm(endpoint: str, model: str, prompts: list[list[int]], *, max_new_tokens: int,
-                 concurrency: int = 8, timeout_s: float = 600.0) -> ChainResult:
+                 concurrency: int = 8, timeout_s: float = 600.0, progress: bool = False) -> ChainResult:
     """Greedy completions (``temperature=0``) of ``prompts`` (token ids) through ``POST <endpoint>/completions``,
-    with ``concurrency`` requests in flight; acceptance from the server's spec-decode counters."""
-    from draftline.data.regenerate import api_key, redact
-
-    key = api_key()
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with ``concurrency`` requests in flight; acceptance from the server's spec-decode counters. The outputs are
+    kept on the result (``outputs``) for a lossless check against a plain server."""
+    headers = auth_headers()
     before = read_counters(endpoint, model, headers)
-    url = endpoint.rstrip("/") + "/completions"
-
-    def complete(client: httpx.Client, prompt: list[int]) -> int:
-        body = {"model": model, "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0.0}
-        try:
-            r = client.post(url, json=body, headers=headers, timeout=timeout_s)
-        except httpx.HTTPError as e:
-            raise DataError(f"completion request to {redact(url)} failed ({type(e).__name__}): is the vLLM "
-                            "server still up?") from None
-        if r.status_code != 200:
-            raise DataError(f"{redact(url)} answered HTTP {r.status_code} to a completion request: "
-                            f"{r.text[:300]}")
-        usage = r.json().get("usage") or {}
-        return int(usage.get("completion_tokens", 0))
-
-    start = time.perf_counter()
-    with httpx.Client() as client, ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        generated = sum(pool.map(lambda p: complete(client, p), prompts))
-    seconds = time.perf_counter() - start
-    after = _settled(endpoint, model, headers)
+    outputs, seconds = generate_all(endpoint, model, prompts, max_new_tokens=max_new_tokens,
+                                    concurrency=concurrency, timeout_s=timeout_s, progress=progress,
+                                    what="measuring on vLLM")
+    after = settled_counters(endpoint, model, headers)
 
     per_before, per_after = before["num_accepted_tokens_per_pos"], after["num_accepted_tokens_per_pos"]
     k = max(per_after) + 1 if per_after else 0
     delta = lambda name: int(round(after[name] - before[name]))  # noqa: E731
     return ChainResult(k=k, prompts=len(prompts), drafts=delta("num_drafts"),
-                       draft_tokens=delta("num_draft_tokens"), accepted=delta("num_accepted_tokens"),
-                       accepted_per_pos=[int(round(per_after.get(p, 0.0) - per_before.get(p, 0.0)))
-                                         for p in range(k)],
-                       generated_tokens=generated, seconds=seconds, mismatches=[], lossless_checked=False,
-                       backend="vllm")
+                         draft_tokens=delta("num_draft_tokens"), accepted=delta("num_accepted_tokens"),
+                         accepted_per_pos=[int(round(per_after.get(p, 0.0) - per_before.get(p, 0.0)))
+                                           for p in range(k)],
+                         generated_tokens=sum(len(o) for o in outputs), seconds=seconds, mismatches=[],
+                         lossless_checked=False, backend="vllm", outputs=outputs)
+
+
+def lossless_against(result: ChainResult, reference: list[list[int]]) -> ChainResult:
+    """Mark ``result`` lossless-checked against ``reference`` (the plain greedy outputs of the same prompts):
+    a first differing token per prompt is recorded in ``mismatches``."""
+    for i, (got, want) in enumerate(zip(result.outputs, reference, strict=True)):
+        miss = first_mismatch(i, want, got)
+        if miss is not None:
+            result.mismatches.append(miss)
+    result.lossless_checked = True
+    return result

@@ -22,9 +22,10 @@ def build_draft_model(verifier_name_or_path: str, *, d2t: torch.Tensor, t2d: tor
     from speculators.models.eagle3 import Eagle3DraftModel
     from transformers import AutoConfig
 
-    from draftline.drafter_shape import layer_config
+    from draftline.drafter_shape import VERIFIER_ONLY_KEYS, layer_config
 
-    layer = dict(layer or layer_config(verifier_name_or_path))
+    # a hand-off written before layer_config dropped them may still carry the verifier's quantization
+    layer = {k: v for k, v in (layer or layer_config(verifier_name_or_path)).items() if k not in VERIFIER_ONLY_KEYS}
     layer_cfg = AutoConfig.for_model(layer.pop("model_type"), **layer)
     model = Eagle3DraftModel.from_training_args(
         verifier_config=layer_cfg,

