@@ -47,17 +47,35 @@ mkdir -p "$W"
 verifier=$(dl make-verifier smollm2 | field path)
 lap "make-verifier"
 port=$("$PY" -c "from draftline.util import free_port; print(free_port())")
-"$PY" -m draftline.testing.tiny_server "$verifier" --port "$port" --served-model-name smollm2 \
-  --max-batch "$BATCH" >"$W/server.log" 2>&1 &
+# The verifier answers the prompts through `vllm serve` (real vLLM, from ./setup.sh --vllm), as on a cluster;
+# without that venv, through draftline's emulation of it (tiny_server: transformers, batched greedy requests).
+VLLM_PY=${DRAFTLINE_VLLM_PYTHON:-$PWD/.venv-vllm/bin/python}
+if [ "${REAL_SERVER:-vllm}" = vllm ] && [ -x "$VLLM_PY" ]; then
+  server_kind=vllm
+  echo "== regeneration: real vLLM ($VLLM_PY -m vllm.entrypoints.openai.api_server, float32)" >&2
+  VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} HF_HUB_OFFLINE=1 setsid "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
+    --model "$verifier" --served-model-name smollm2 --dtype float32 --host 127.0.0.1 --port "$port" \
+    --max-model-len 2048 --max-num-seqs "$BATCH" >"$W/server.log" 2>&1 &
+else
+  server_kind=tiny_server
+  echo "== regeneration: no vLLM venv (./setup.sh --vllm), so draftline's EMULATION of vllm serve (tiny_server)" >&2
+  setsid "$PY" -m draftline.testing.tiny_server "$verifier" --port "$port" --served-model-name smollm2 \
+    --max-batch "$BATCH" >"$W/server.log" 2>&1 &
+fi
 server=$!
-trap 'kill "$server" 2>/dev/null || true' EXIT INT TERM
+stop_server() { kill -- -"$server" 2>/dev/null || kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }
+trap stop_server EXIT INT TERM
 endpoint="http://127.0.0.1:$port/v1"
-"$PY" - "$endpoint" <<'EOF'
-import sys, time, urllib.request
-for _ in range(600):
+"$PY" - "$endpoint" "$server" <<'EOF'
+import os, sys, time, urllib.request
+for _ in range(1800):
     try:
         urllib.request.urlopen(sys.argv[1] + "/models", timeout=2).read(); break
     except OSError:
+        try:
+            os.kill(int(sys.argv[2]), 0)
+        except OSError:
+            sys.exit("the loopback server died while starting: see work/real/server.log")
         time.sleep(0.5)
 else:
     sys.exit("the loopback server did not start: see work/real/server.log")
@@ -97,14 +115,15 @@ evaluation=$(dl prepare --conversations configs/demo/gsm8k_test_prompts.jsonl --
 mt_held=$(dl prepare --conversations "$W/mt_bench.jsonl" --categories "$HELD_OUT" \
             --name mt-bench-held-out "${regen[@]}" | field data_uri)
 lap "prepare evaluation sets (GSM8K test, MT-Bench held out)"
-kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true   # free the cores for training
+stop_server   # free the cores for training
 
 # 3. the child: finetuned from the parent on the team's traffic, validated on the evaluation set
 child_run=$(dl finetune --data "$team" --init "$parent" --vocab rebuild --eval-data "$evaluation" --gpus "$RANKS" \
               --steps "$CHILD_STEPS" --tokens-per-batch "$TOKENS" --precision "$PRECISION" --lr 5e-4 --warmup-steps 10 --val-every "$VAL_EVERY" \
               | field run_id)
 lap "finetune child from the parent"
-ev=(--measured true --max-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_NEW")
+# measured on a loopback vLLM when the venv is there (evaluate's default), with the in-process chain beside it
+ev=(--measured true --max-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_NEW" --cross-check true)
 dl evaluate --target "$parent" --data "$evaluation" "${ev[@]}" >"$W/eval-parent-gsm8k.json"
 dl evaluate --target "runs:/$child_run" --data "$evaluation" "${ev[@]}" >"$W/eval-child-gsm8k.json"
 dl evaluate --target "$parent" --data "$mt_held" "${ev[@]}" >"$W/eval-parent-mtbench.json"
@@ -116,15 +135,16 @@ promoted=true
 dl promote smollm2-gsm8k-drafter "$version" --to Production || promoted=false
 lap "promote"
 
-"$PY" - "$W" "$version" "$promoted" "$parent_run" "$child_run" <<'EOF' | tee "$W/summary.json"
+"$PY" - "$W" "$version" "$promoted" "$parent_run" "$child_run" "$server_kind" <<'EOF' | tee "$W/summary.json"
 import json, os, sys
-w, version, promoted, parent_run, child_run = sys.argv[1:]
+w, version, promoted, parent_run, child_run, server_kind = sys.argv[1:]
 def ev(name):
     r = json.load(open(f"{w}/eval-{name}.json"))
     return {k: r.get(k) for k in ("teacher_forced_acceptance_length", "measured_acceptance_length",
-                                  "acceptance_rate_per_position", "lossless", "prompts")}
+                                  "inprocess_acceptance_length", "backend", "acceptance_rate_per_position",
+                                  "lossless", "prompts")}
 print(json.dumps({"model": f"models:/smollm2-gsm8k-drafter/{version}", "promoted": promoted == "true",
-                  "scale": os.environ.get("REAL_SCALE", "quick"),
+                  "scale": os.environ.get("REAL_SCALE", "quick"), "regeneration_server": server_kind,
                   "parent_finetune_run": parent_run, "child_finetune_run": child_run,
                   "gsm8k_test": {"parent": ev("parent-gsm8k"), "child": ev("child-gsm8k")},
                   "mt_bench_held_out": {"parent": ev("parent-mtbench"), "child": ev("child-mtbench")}}, indent=2))

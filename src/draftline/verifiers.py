@@ -110,7 +110,7 @@ def make_verifier(name: str, out: Path | None = None, *, progress: bool = True) 
               "revision": identity["revision"]}
     if _built(target, sha):
         log.info("verifier %s is already built in %s: reusing it", name, target)
-        return {**result, "reused": True, "seconds": 0.0}
+        return {**result, "reused": True, "seconds": 0.0, "hf_cache": _in_hf_cache(target, entry.serving_id)}
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise DataError(f"{target} exists and is not the {name} verifier built from {gguf.name} (sha256 "
                         f"{sha[:12]}): remove it or choose another --out")
@@ -137,7 +137,15 @@ def make_verifier(name: str, out: Path | None = None, *, progress: bool = True) 
         shutil.rmtree(tmp, ignore_errors=True)
     seconds = round(time.monotonic() - start, 1)
     log.info("built verifier %s in %s (%.1f s)", name, target, seconds)
-    return {**result, "reused": False, "seconds": seconds}
+    return {**result, "reused": False, "seconds": seconds, "hf_cache": _in_hf_cache(target, entry.serving_id)}
+
+
+def _in_hf_cache(target: Path, serving_id: str) -> str:
+    """Register the built directory in the local Hugging Face cache under its serving id, so that on this host
+    ``vllm serve <pulled drafter dir>`` (which loads the verifier by that id) works with HF_HUB_OFFLINE=1."""
+    from draftline.serving.hf_cache import register
+
+    return str(register(target, serving_id))
 
 
 def _built(target: Path, sha: str) -> bool:

