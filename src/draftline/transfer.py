@@ -4,10 +4,13 @@ Every file of an export is named with its sha256 in ``checksums.json``. A pull d
 first, then each file it names through MLflow's own artifact repository (so any store MLflow supports
 works), hashing the bytes *while* they arrive on a second thread instead of re-reading the file afterwards.
 A file whose digest is already in the cache is not downloaded at all: the cache keeps one read-only copy per
-digest (``$DRAFTLINE_CACHE_DIR/blobs/sha256/<digest>``, default ``~/.cache/draftline``) and a pull hard-links
-it into place (or copies it across file systems). A blob is trusted while its size and mtime are those it
-had when it was verified; anything else is downloaded again. The destination only ever receives a complete,
-verified directory: files are assembled beside it and moved in last.
+digest (``$DRAFTLINE_CACHE_DIR/blobs/sha256/<digest>``, default ``~/.cache/draftline``) and a pull copies it
+into place, hashing the bytes as it writes them: "verified" always means hashed in this pull. Never a hard
+link, so a destination shares no inode with the cache or with another destination (a blob edited in place, size
+and mtime kept, used to change every earlier destination and be handed on unchecked). A blob whose size or
+mtime changed is downloaded again; one whose bytes changed behind an unchanged size and mtime is caught by the
+hash of the copy, removed from the cache, and the pull refused naming it. The destination only ever receives a
+complete, verified directory: files are assembled beside it and moved in last.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def download_verified(uri: str, name: str, digest: str, into: Path, on_bytes=Non
 
 
 class BlobCache:
-    """One read-only file per sha256; a hit costs a hard link."""
+    """One read-only file per sha256; a hit costs a copy that is hashed as it is written (see :func:`_place`)."""
 
     def __init__(self, root: Path | None = None):
         self.root = (root or cache_root()) / "blobs" / "sha256"
@@ -105,6 +108,10 @@ class BlobCache:
         except (OSError, ValueError):
             return None
         return blob if recorded == {"size": st.st_size, "mtime_ns": st.st_mtime_ns} else None
+
+    def evict(self, digest: str) -> None:
+        for path in self._paths(digest):
+            path.unlink(missing_ok=True)
 
     def put(self, file: Path, digest: str) -> Path:
         """Move a verified ``file`` into the cache (atomically) and return the blob."""
@@ -160,12 +167,54 @@ def sweep_scratch(folder: Path, kind: str) -> list[Path]:
     return removed
 
 
-def _place(blob: Path, target: Path) -> None:
+def _place(blob: Path, target: Path, digest: str, cache: "BlobCache") -> None:
+    """Copy a cached blob to ``target``, hashing the bytes as they are written: what lands in the destination
+    is what was hashed, in this pull. A copy, never a hard link, so no destination shares an inode with the
+    cache (a blob edited in place cannot change an earlier destination, nor a destination the cache). A blob
+    whose bytes no longer match its name is removed from the cache and the pull refused, naming it."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    with open(blob, "rb") as src, open(target, "wb") as dst:
+        while chunk := src.read(COPY_CHUNK):
+            h.update(chunk)
+            dst.write(chunk)
+    if h.hexdigest() != digest:
+        target.unlink(missing_ok=True)
+        cache.evict(digest)
+        raise VerificationError(f"the cached copy of {target.name} ({blob}) no longer has sha256 {digest[:12]}… "
+                                "(it was changed on disk): removed it from the cache and refused the pull; pull "
+                                "again to download it afresh")
+
+
+COPY_CHUNK = 8 << 20
+
+
+def verify_directory(directory: Path) -> dict:
+    """Re-hash every file a pulled directory's ``checksums.json`` names (``pull --verify-only``): returns the
+    file count and bytes; raises :class:`VerificationError` naming the first file missing or altered."""
+    from draftline.util import file_sha256
+
+    directory = Path(directory)
     try:
-        os.link(blob, target)
-    except OSError:  # another file system (or no hard links): a copy
-        shutil.copyfile(blob, target)
+        manifest = json.loads((directory / CHECKSUMS).read_text())
+    except FileNotFoundError:
+        raise VerificationError(f"{directory} has no {CHECKSUMS}: not a directory draftline pulled") from None
+    except (OSError, ValueError) as e:
+        raise VerificationError(f"{directory / CHECKSUMS} is unreadable ({e}): pull the version again") from None
+    if not isinstance(manifest, dict):
+        raise VerificationError(f"{directory / CHECKSUMS} is not a mapping of file: sha256; pull the version again")
+    _safe_names(manifest, directory.resolve())
+    total = 0
+    for name, digest in sorted(manifest.items()):
+        path = directory / name
+        if not path.is_file():
+            raise VerificationError(f"{path} is missing: pull the version again")
+        if file_sha256(path) != digest:
+            raise VerificationError(f"{path} does not have the sha256 {CHECKSUMS} names ({digest[:12]}…): it was "
+                                    "altered; pull the version again")
+        total += path.stat().st_size
+    return {"path": str(directory.absolute()), "files": len(manifest), "bytes": total,
+            "manifest_sha256": manifest_digest_of(manifest)}
 
 
 def _safe_names(manifest: dict[str, str], root: Path) -> None:
@@ -212,7 +261,7 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
                 todo.append((name, digest))
             else:
                 stats["cached_bytes"] += blob.stat().st_size
-                _place(blob, staging / name)
+                _place(blob, staging / name, digest, cache)
         from tqdm.auto import tqdm
 
         from draftline.console import bar_kwargs
@@ -252,8 +301,9 @@ def _fetch_one(base_uri: str, name: str, digest: str, staging: Path, cache: Blob
         local = retrying(f"download {name} from {base_uri}", lambda: download_verified(
             f"{base_uri}/{name}", name, digest, Path(tempfile.mkdtemp(dir=tmp)), on_bytes))
         size = local.stat().st_size
-        if cache:
-            _place(cache.put(local, digest), target)
+        if cache:  # the verified download goes into the destination; the cache gets a copy of its own
+            shutil.copyfile(local, target)
+            cache.put(local, digest)
         else:
             os.replace(local, target)
     return size

@@ -157,8 +157,8 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     text = CliRunner().invoke(cli, ["lineage", "tiny-drafter", ex["version"]]).stdout
     assert text.startswith(f"tiny-drafter/{ex['version']} <- tiny-drafter/1 <- draftline/tiny-parent (sha256 ")
 
-    # a pulled file altered on disk (through its hard link, the cached blob too) is not served again: the next
-    # pull sees the blob changed since it was verified, fetches it anew and hands out the verified bytes
+    # a pulled file altered on disk is not served again: it shares no bytes with the cache, so the next pull
+    # hands out the verified bytes
     weights = tmp_path / "pulled" / "model.safetensors"
     raw = bytearray(weights.read_bytes())
     raw[len(raw) // 2] ^= 0xFF

@@ -168,7 +168,7 @@ vllm:num_requests_running{engine="0",model_name="m"} 0.0
 
 
 def test_vllm_counters_are_read_by_their_exported_names():
-    from draftline.evaluation.vllm_backend import parse_counters, server_root
+    from draftline.serving.client import parse_counters, server_root
 
     c = parse_counters(VLLM_METRICS, "m")
     assert c["num_drafts"] == 15.0  # summed over engines, the other model left out

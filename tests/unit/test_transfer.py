@@ -37,7 +37,7 @@ def _publish(tmp_path: Path, files: dict[str, bytes], manifest: dict | None = No
 FILES = {"model.safetensors": os.urandom(3 << 20), "config.json": b'{"a": 1}', "README.md": b"# card\n"}
 
 
-def test_cold_then_warm_pull_and_a_changed_blob_is_fetched_again(store, tmp_path):
+def test_cold_then_warm_pull_and_no_destination_shares_bytes_with_the_cache(store, tmp_path):
     uri = _publish(tmp_path, FILES)
     cold = fetch_directory(uri, tmp_path / "a", cache=BlobCache())
     assert cold["downloaded_bytes"] == sum(len(b) for b in FILES.values()) and cold["cached_bytes"] == 0
@@ -46,13 +46,57 @@ def test_cold_then_warm_pull_and_a_changed_blob_is_fetched_again(store, tmp_path
     warm = fetch_directory(uri, tmp_path / "b", cache=BlobCache())  # a restarted pod: nothing downloaded
     assert warm["downloaded_bytes"] == 0 and warm["cached_bytes"] == cold["downloaded_bytes"]
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+    blob = BlobCache().get(sha256_manifest_of(FILES)["model.safetensors"])
+    assert (tmp_path / "b" / "model.safetensors").stat().st_ino != blob.stat().st_ino
 
-    # someone writes through the pulled file (a hard link to the blob): the cache no longer trusts it
+    # someone writes into a pulled file: neither the cache nor another destination changes with it
     with open(tmp_path / "b" / "model.safetensors", "r+b") as f:
         f.write(b"\0" * 16)
     again = fetch_directory(uri, tmp_path / "c", cache=BlobCache())
-    assert again["downloaded_bytes"] == len(FILES["model.safetensors"])
+    assert again["downloaded_bytes"] == 0
     assert (tmp_path / "c" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+
+
+def test_a_cached_blob_edited_in_place_with_its_size_and_mtime_kept_is_caught(store, tmp_path):
+    """`dd conv=notrunc; touch -r`: what the cache's size + mtime record cannot see. The copy into DEST is hashed
+    as it is written, so the pull is refused naming the file, DEST is left as it was, an earlier DEST keeps its
+    bytes, the bad blob leaves the cache and the next pull downloads it afresh."""
+    from draftline.errors import VerificationError
+
+    uri = _publish(tmp_path, FILES)
+    fetch_directory(uri, tmp_path / "a", cache=BlobCache())
+    blob = BlobCache().get(sha256_manifest_of(FILES)["model.safetensors"])
+    st = blob.stat()
+    blob.chmod(0o644)
+    with open(blob, "r+b") as f:
+        f.seek(1000)
+        f.write(b"\xff" * 8)
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert BlobCache().get(sha256_manifest_of(FILES)["model.safetensors"]) == blob  # size + mtime still agree
+    with pytest.raises(VerificationError, match=r"cached copy of model\.safetensors .* was changed on disk"):
+        fetch_directory(uri, tmp_path / "b", cache=BlobCache())
+    assert not (tmp_path / "b").exists()
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+    again = fetch_directory(uri, tmp_path / "b", cache=BlobCache())
+    assert again["downloaded_bytes"] == len(FILES["model.safetensors"])
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+
+
+def test_verify_only_rehashes_a_pulled_directory(tmp_path, store):
+    from draftline.errors import VerificationError
+    from draftline.transfer import verify_directory
+
+    uri = _publish(tmp_path, FILES)
+    fetch_directory(uri, tmp_path / "pod", cache=BlobCache())
+    assert verify_directory(tmp_path / "pod")["files"] == len(FILES)
+    with open(tmp_path / "pod" / "config.json", "r+b") as f:
+        f.write(b"[")
+    with pytest.raises(VerificationError, match=r"config\.json does not have the sha256"):
+        verify_directory(tmp_path / "pod")
+    (tmp_path / "pod" / "README.md").unlink()
+    with pytest.raises(VerificationError, match="README.md is missing|config.json"):
+        verify_directory(tmp_path / "pod")
 
 
 def test_an_altered_stored_file_is_refused_and_the_destination_is_left_alone(store, tmp_path):

@@ -102,23 +102,37 @@ def compare(name, versions, as_json):
 
 
 @cli.command()
-@click.argument("name")
+@click.argument("name", required=False)
 @click.option("--stage", default=None, help="Pull the version in this stage (e.g. Production).")
 @click.option("--alias", default=None, help="Pull the version this alias points at (e.g. production).")
 @click.option("--version", "version", default=None, help="Pull this version number.")
-@click.option("--dest", type=click.Path(file_okay=False), required=True, help="Directory to download into.")
+@click.option("--dest", type=click.Path(file_okay=False), default=None, help="Directory to download into.")
+@click.option("--verify-only", "verify_dir", type=click.Path(file_okay=False), default=None,
+              help="Download nothing: re-hash every file of this already pulled directory against its "
+              "checksums.json (a pod checking what its disk holds); exit 1 naming the first altered file.")
 @click.option("--verifier", default=None, help="Refuse the version unless it was trained for this verifier.")
 @click.option("--no-cache", is_flag=True, help="Download every file even if the local cache holds it "
               "($DRAFTLINE_CACHE_DIR, default ~/.cache/draftline).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def pull(name, stage, alias, version, dest, verifier, no_cache, as_json):
+def pull(name, stage, alias, version, dest, verifier, no_cache, as_json, verify_dir):
     """Download a registered drafter, verify every file against its checksums, print the vLLM command.
 
     Files are hashed while they arrive; files already in the local content-addressed cache (same sha256)
-    are hard-linked instead of downloaded, so a restarted pod or a version sharing files costs nothing.
-    DEST receives the complete verified directory or is left as it was."""
+    are copied from it and hashed as they are written, so a restarted pod or a version sharing files downloads
+    nothing and every byte in DEST was checked in this pull. DEST never shares a file with the cache or with
+    another DEST. DEST receives the complete verified directory or is left as it was."""
     from draftline import registry
 
+    if verify_dir:
+        from draftline.transfer import verify_directory
+
+        out = verify_directory(Path(verify_dir))
+        click.echo(json.dumps(out, indent=2) if as_json else
+                   f"{out['path']}: {out['files']} files, {out['bytes'] / (1 << 20):.1f} MiB, every sha256 as "
+                   "checksums.json names it")
+        return
+    if not name or not dest:
+        raise click.UsageError("pass NAME and --dest (or --verify-only DIR)")
     if sum(bool(x) for x in (stage, alias, version)) != 1:  # before any tracking store is touched
         raise click.UsageError("pass exactly one of --stage, --alias or --version")
     with _stdout_to_stderr():
