@@ -24,6 +24,9 @@ class PrepareConfig(_Strict):
                                "dataset directory (save_to_disk) of OpenAI `messages`, ShareGPT `conversations`, "
                                "MT-Bench `turns` or plain `prompt` records. Records without an assistant turn "
                                "(prompts) need --regenerate-endpoint.")
+    skip_bad_records: bool = Field(False, description="Skip malformed records (invalid JSON, unknown roles, empty "
+                                   "assistant turns) and make repeated ids unique, counting them in the manifest, "
+                                   "instead of stopping at the first one.")
     categories: str | None = Field(None, description="Filter records by their `category` field, before "
                                    "max_samples: `writing,coding` keeps only those categories, `!math,!coding` "
                                    "drops those (one form or the other, not both); a name no record has is an "
@@ -131,6 +134,15 @@ class ExportConfig(_Strict):
     checkpoint: str = Field("best", pattern=r"^(best|last|step\d+)$", description="Which checkpoint of the "
                             "finetune run: best (by val/acceptance_length; the newest when no validation ran), "
                             "last, or step<N>.")
+    @field_validator("registered_model")
+    @classmethod
+    def _model_name(cls, v: str) -> str:
+        bad = [c for c in "/:%\\" if c in v]
+        if bad or v != v.strip():
+            raise ValueError(f"{v!r} cannot be a registered model name (no {' '.join(bad) or 'edge spaces'}: "
+                             "the name becomes part of models:/NAME/VERSION URIs); use letters, digits, - _ .")
+        return v
+
     vllm_check: Literal["auto", "on", "off"] = Field("auto", description="Before registering, load the export in "
                                                      "real vLLM beside the verifier and draft with it (auto: when "
                                                      "the vLLM venv of `./setup.sh --vllm` is there; on: required; "

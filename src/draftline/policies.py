@@ -73,13 +73,38 @@ def load_policy(path: Path | str) -> Policy:
     except FileNotFoundError:
         raise ConfigError(f"policy file {path} does not exist") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"policy file {path} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"policy file {where}: not valid YAML ({what}); fix that line") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"policy file {path} is not a mapping of rules (stage:, evaluation:, ...); see "
+                          "registry_policies/production.yaml")
     try:
         return Policy(**(raw or {}))
     except (ValidationError, TypeError) as e:
-        detail = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()) \
-            if isinstance(e, ValidationError) else str(e)
+        detail = "; ".join(_explain(x) for x in e.errors()) if isinstance(e, ValidationError) else str(e)
         raise ConfigError(f"policy file {path} is invalid: {detail}") from None
+
+
+def _explain(error: dict) -> str:
+    """One pydantic error in words; an unknown key says which known key it was probably meant to be."""
+    import difflib
+
+    loc = ".".join(map(str, error["loc"]))
+    if error.get("type") == "extra_forbidden":
+        model: type[BaseModel] = Policy
+        for part in error["loc"][:-1]:
+            field = model.model_fields.get(str(part))
+            ann = getattr(field, "annotation", None)
+            inner = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if not inner:
+                break
+            model = inner[0]
+        close = difflib.get_close_matches(str(error["loc"][-1]), list(model.model_fields), n=1)
+        return f"{loc}: unknown key" + (f" (did you mean {close[0]}?)" if close else
+                                        f" (known: {', '.join(model.model_fields)})")
+    return f"{loc}: {error['msg']}"
 
 
 def _metric(mv, key: str) -> float | None:

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 from draftline.config import cache_root
-from draftline.errors import VerificationError
+from draftline.errors import DraftlineError, VerificationError
 from draftline.retry import retrying, unavailable
 from draftline.util import atomic_write_text, file_sha256
 
@@ -241,7 +241,15 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
     """
 
     dest = Path(dest).absolute()
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DraftlineError(f"cannot create {dest.parent} for the pull ({e.strerror}): choose a --dest you can "
+                             "write") from None
+    for folder in (dest.parent, dest) if dest.is_dir() else (dest.parent,):
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise DraftlineError(f"cannot write into {folder} (permission denied): choose a --dest you can write, "
+                                 "or fix its permissions; nothing was downloaded")
     stats = {"files": 0, "downloaded_bytes": 0, "cached_bytes": 0}
     sweep_scratch(dest.parent, f".{dest.name}.partial-")
     with tempfile.TemporaryDirectory(prefix=scratch_prefix(f".{dest.name}.partial-"), dir=dest.parent) as staging, \

@@ -19,7 +19,9 @@ def test_reads_openai_and_sharegpt_forms_and_reports_malformed_lines(tmp_path):
         json.dumps({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}),
         json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
     ]))
-    convs = load_conversations(f)
+    with pytest.raises(DataError, match=r"c\.jsonl line 2: invalid JSON.*--skip-bad-records"):
+        load_conversations(f)  # a broken line is no warning: it stops, naming the line
+    convs = load_conversations(f, skip_bad=True)
     assert [m["role"] for m in convs.samples[1]["messages"]] == ["user", "assistant"]
     assert len(convs.samples) == 2
     assert [line for line, _ in convs.skipped] == [2, 4]
@@ -36,7 +38,7 @@ def test_sharegpt_json_list(tmp_path):
 def test_no_usable_conversation_is_an_error(tmp_path):
     f = tmp_path / "c.jsonl"
     f.write_text("{}\n[1]\n")
-    with pytest.raises(DataError, match="no usable conversation.*line 1"):
+    with pytest.raises(DataError, match="line 1: none of 'messages'.*and 1 more bad records"):
         load_conversations(f)
     with pytest.raises(DataError, match="does not exist"):
         load_conversations(tmp_path / "missing.jsonl")

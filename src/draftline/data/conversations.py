@@ -8,7 +8,11 @@ it (the verifier answers each user turn in order), so without it prompts are ski
 only is an error. ``id`` (or ``question_id``) and ``category`` are kept in the sample; ``--categories``
 selects by category.
 
-Malformed records are reported with their line (or index) and skipped; an empty result is an error.
+A malformed record (invalid JSON, an unknown role, a ShareGPT turn without ``from``, an empty assistant turn)
+or an id used twice is an error naming its line (or row) and the fix, unless ``skip_bad=True``
+(``--skip-bad-records``): then such records are skipped (duplicate ids made unique) and counted in the manifest.
+Input that is not UTF-8 is an error naming the line and byte offset; Parquet files are read with pyarrow; other
+formats (CSV, ...) are refused, saying which ones are read.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ def _normalise(record: object) -> dict:
                          "form) or 'prompt'")
     if not any(m["role"] in ("user", "assistant") for m in out):
         raise ValueError("no user or assistant turn")
+    if any(m["role"] == "assistant" and not m["content"].strip() for m in out):
+        raise ValueError("an empty assistant turn (nothing to learn from; drop the turn or the record)")
     rid = record.get("id") if record.get("id") is not None else record.get("question_id")
     sample = {"id": "" if rid is None else str(rid), "messages": out}
     if isinstance(record.get("category"), str) and record["category"]:
@@ -94,15 +100,29 @@ def _records_from_dataset(path: Path) -> list[tuple[int, object]]:
     return [(i, row) for i, row in enumerate(ds, start=1)]
 
 
+READ_FORMATS = "JSONL, a JSON list, Parquet, or a Hugging Face dataset directory (save_to_disk)"
+
+
 def _records_from_json(path: Path) -> tuple[list[tuple[int, object]], list[tuple[int, str]]]:
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    if path.suffix.lower() == ".parquet" or raw[:4] == b"PAR1":
+        return _records_from_parquet(path), []
+    if path.suffix.lower() in (".csv", ".tsv", ".txt", ".xlsx", ".arrow") and raw.lstrip()[:1] not in (b"{", b"["):
+        raise DataError(f"{path}: {path.suffix} files are not read; convert it to {READ_FORMATS}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(f"{path} is not UTF-8: line {line}, byte offset {e.start} (0x{raw[e.start]:02x}); "
+                        "re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     records: list[tuple[int, object]] = []
     skipped: list[tuple[int, str]] = []
     if text.lstrip().startswith("["):
         try:
             return list(enumerate(json.loads(text), start=1)), skipped
         except json.JSONDecodeError as e:
-            raise DataError(f"{path} is not valid JSON ({e}); use a JSON list or one JSON object per line") from None
+            raise DataError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); use a JSON "
+                            "list or one JSON object per line") from None
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -111,6 +131,17 @@ def _records_from_json(path: Path) -> tuple[list[tuple[int, object]], list[tuple
         except json.JSONDecodeError as e:
             skipped.append((lineno, f"invalid JSON: {e.msg}"))
     return records, skipped
+
+
+def _records_from_parquet(path: Path) -> list[tuple[int, object]]:
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 (pyarrow's ArrowInvalid and friends)
+        raise DataError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]}); pass {READ_FORMATS}") \
+            from None
+    return list(enumerate(rows, start=1))
 
 
 def source_digest(path: Path | str) -> str:
@@ -126,12 +157,13 @@ def source_digest(path: Path | str) -> str:
     return h.hexdigest()
 
 
-def load_conversations(path: Path | str, *, prompts: bool = False) -> Conversations:
+def load_conversations(path: Path | str, *, prompts: bool = False, skip_bad: bool = False) -> Conversations:
     """Load and normalise every conversation in ``path``; raise :class:`DataError` if none is usable.
 
     ``prompts=True`` (regeneration will answer them) keeps records without an assistant turn; otherwise they
     are skipped, and an input holding only such records is a :class:`DataError` asking for
-    ``--regenerate-endpoint``."""
+    ``--regenerate-endpoint``. A malformed record or a repeated id is a :class:`DataError` unless
+    ``skip_bad`` (then skipped, or made unique, and counted in ``skipped``)."""
     path = Path(path)
     if path.is_dir():
         records, skipped = _records_from_dataset(path), []
@@ -140,14 +172,22 @@ def load_conversations(path: Path | str, *, prompts: bool = False) -> Conversati
     else:
         raise DataError(f"conversations {path} does not exist: pass --conversations a JSONL or JSON file or a "
                         "Hugging Face dataset directory (save_to_disk)")
-    samples, prompt_only = [], 0
+    unit = "row" if path.is_dir() or path.suffix.lower() == ".parquet" else "line"
+    bad = list(skipped)
+    samples, prompt_only, seen = [], 0, {}
     for where, rec in records:
         try:
             s = _normalise(rec)
         except ValueError as e:
-            skipped.append((where, str(e)))
+            bad.append((where, str(e)))
             continue
         s["id"] = s["id"] or f"{path.stem}-{where}"
+        if s["id"] in seen:
+            bad.append((where, f"id {s['id']!r} is used already by {unit} {seen[s['id']]}"))
+            if not skip_bad:
+                continue
+            s["id"] = f"{s['id']}~{where}"
+        seen.setdefault(s["id"], where)
         if is_prompt(s):
             prompt_only += 1
             if not prompts:
@@ -155,13 +195,18 @@ def load_conversations(path: Path | str, *, prompts: bool = False) -> Conversati
                                        "verifier answer it)"))
                 continue
         samples.append(s)
+    if bad and not skip_bad:
+        where, why = bad[0]
+        more = f" (and {len(bad) - 1} more bad records)" if len(bad) > 1 else ""
+        raise DataError(f"{path} {unit} {where}: {why}{more}; fix it, or pass --skip-bad-records to skip such "
+                        "records (counted in the manifest)")
+    skipped = bad + [s for s in skipped if s not in bad]
     if not samples and prompt_only:
         raise DataError(f"{path} holds prompts only: {prompt_only} of its {len(records)} records have no "
                         "assistant turn, so there is nothing to learn from yet; pass --regenerate-endpoint URL (an "
                         "OpenAI-compatible server of the verifier, e.g. `vllm serve <verifier>`) so the verifier "
                         "answers them")
     if not samples:
-        unit = "row" if path.is_dir() else "line"
         detail = "; ".join(f"{unit} {n}: {why}" for n, why in skipped[:5])
         raise DataError(f"no usable conversation in {path}" + (f" ({detail})" if detail else ""))
     return Conversations(samples=samples, skipped=skipped, prompts=prompt_only)

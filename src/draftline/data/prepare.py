@@ -80,13 +80,14 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     shards already in ``out_dir`` for the same inputs and settings are kept and the capture resumes after them."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from draftline.console import bar_kwargs
     from draftline.data.conversations import is_prompt, load_conversations, select_categories
     from draftline.data.tokenize import tokenize_conversations
 
-    convs = load_conversations(cfg.conversations, prompts=bool(cfg.regenerate_endpoint))
+    convs = load_conversations(cfg.conversations, prompts=bool(cfg.regenerate_endpoint),
+                               skip_bad=cfg.skip_bad_records)
     for where, why in convs.skipped[:20]:
         log.warning("skipped record %s of %s: %s", where, cfg.conversations, why)
     samples = select_categories(convs.samples, cfg.categories, cfg.conversations)
@@ -110,8 +111,7 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     if not tokenized:
         raise DataError(f"no conversation in {cfg.conversations} has an assistant token within "
                         f"max_length={cfg.max_length}")
-    config = AutoConfig.from_pretrained(verifier_path)
-    config = getattr(config, "text_config", config)
+    config = verifier_config(verifier_path)
     num_layers = config.num_hidden_layers
     aux = resolve_aux_layers(cfg.aux_layers, num_layers)
 
@@ -197,12 +197,60 @@ def _regenerate(cfg: PrepareConfig, samples: list[dict], progress: bool) -> dict
             "file_sha256": r.file_sha256, "done": r.done, "reused": r.reused, "failed": r.failed}
 
 
+def verifier_config(path: str):
+    """The verifier's config (its text config for multimodal ones), every file a tokenizer needs checked first:
+    one :class:`DataError` naming the file and the fix, never a loader's traceback."""
+    from transformers import AutoConfig
+
+    d = Path(path)
+    try:
+        json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else \
+            f" ({e})"
+        raise DataError(f"verifier {d}: config.json is not valid JSON{where}; restore the model's config.json "
+                        "(a truncated copy?)") from None
+    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")):
+        raise DataError(f"verifier {d} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json): "
+                        "copy the model's tokenizer files into it")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise DataError(f"verifier {d}: transformers cannot read its config.json ({str(e).splitlines()[0]})") \
+            from None
+    return getattr(config, "text_config", config)
+
+
+def preflight(cfg: PrepareConfig) -> None:
+    """Every check prepare can make before it opens a run or creates a folder: the input (encoding, format,
+    records, ids, categories), the verifier's files, the aux layers, the capture backend and the regeneration
+    endpoint. A mistake here leaves no run, no folder and no file."""
+    from draftline.data.conversations import load_conversations, select_categories
+
+    convs = load_conversations(cfg.conversations, prompts=bool(cfg.regenerate_endpoint),
+                               skip_bad=cfg.skip_bad_records)
+    select_categories(convs.samples, cfg.categories, cfg.conversations)
+    config = verifier_config(resolve_verifier(cfg.verifier))
+    resolve_aux_layers(cfg.aux_layers, config.num_hidden_layers)
+    if cfg.capture_backend == "vllm" and not cfg.capture_endpoint:
+        raise DataError("capture_backend=vllm needs --capture-endpoint: the base URL of the vLLM server "
+                        "running speculators' hidden-state extraction")
+    if cfg.regenerate_endpoint:
+        from draftline.data.regenerate import redact, served_models
+
+        models = served_models(cfg.regenerate_endpoint)
+        if cfg.regenerate_model and cfg.regenerate_model not in models:
+            raise DataError(f"the regeneration endpoint {redact(cfg.regenerate_endpoint)} does not serve "
+                            f"{cfg.regenerate_model}: pass --regenerate-model with one of {', '.join(models)}")
+
+
 def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
     """The prepare stage as one MLflow run. Returns ``{"run_id", "data_uri", "digest"}``."""
     import mlflow
 
     from draftline import lineage, tracking
 
+    preflight(cfg)  # before the tracking store, the run and the folder exist
     tracking.setup()
     key = prepare_key(cfg)
     out = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else work_dir() / "prepared" / key[:16]

@@ -35,6 +35,7 @@ def resolve_data(ref: str, dest: Path | None = None) -> Path:
     dest = dest or data_cache(ref)
     if (dest / MANIFEST).is_file():
         return dest
+    _require_finished(ref)
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=dest.name + ".partial-", dir=dest.parent))
     try:
@@ -46,6 +47,24 @@ def resolve_data(ref: str, dest: Path | None = None) -> Path:
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return dest
+
+
+def _require_finished(ref: str) -> None:
+    """A ``runs:/`` reference to a prepare run that did not finish names that run and the fix."""
+    if not ref.startswith("runs:/"):
+        return
+    import mlflow
+
+    from draftline.tracking import parse_run_ref
+
+    run_id = parse_run_ref(ref)[0]
+    try:
+        run = mlflow.MlflowClient().get_run(run_id)
+    except Exception:  # noqa: BLE001 (the download below names a missing run)
+        return
+    if run.info.status != "FINISHED":
+        raise DataError(f"data {ref}: prepare run {run_id} is {run.info.status}, not FINISHED; rerun that prepare "
+                        "(same inputs: it resumes) and pass the data_uri it prints")
 
 
 def dataset_name(client, ref: str) -> str:

@@ -85,6 +85,20 @@ def _headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def first_line(body: str) -> str:
+    """A server's answer in one line: an HTML error page's title or first text, else the body's first line."""
+    import html
+    import re
+
+    if "<" in body and re.search(r"<(html|head|body|title|h1|!doctype)", body, re.I):
+        title = re.search(r"<title[^>]*>(.*?)</title>", body, re.I | re.S) or re.search(
+            r"<h1[^>]*>(.*?)</h1>", body, re.I | re.S)
+        text = title.group(1) if title else re.sub(r"<[^>]+>", " ", body)
+        body = "an HTML page: " + " ".join(html.unescape(text).split())
+    lines = [ln.strip() for ln in body.splitlines() if ln.strip()]
+    return (lines[0] if lines else "(empty body)")[:200]
+
+
 def served_models(endpoint: str, *, timeout_s: float = 10.0, what: str = "regeneration endpoint",
                   flag: str = "--regenerate-endpoint") -> list[str]:
     """The model ids ``GET <endpoint>/models`` lists; a :class:`DataError` naming ``what`` and ``flag`` when
@@ -141,7 +155,7 @@ async def _complete(client: httpx.AsyncClient, settings: dict, messages: list[di
                     return _reply(r.json())
                 except ValueError:
                     raise _Failed("malformed chat completion response") from None
-            why = f"HTTP {r.status_code}: {r.text[:200]}"
+            why = f"HTTP {r.status_code}: {first_line(r.text)}"
             if r.status_code == 400 and "return_token_ids" in r.text and settings.pop("return_token_ids", None):
                 log.warning("the regeneration endpoint refuses return_token_ids; replies are tokenised from text")
                 attempt -= 1

@@ -157,6 +157,21 @@ class PreparedData:
 
         return load_file(str(self.root / FREQS))["freqs"]
 
+    def sample_lengths(self) -> list[int]:
+        """Every sample's token count, from the shards' offsets alone (no hidden state is read)."""
+        from safetensors import safe_open
+
+        out: list[int] = []
+        for entry in self.manifest["shards"]:
+            path = (self.shard_root or self.root) / entry["file"]
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    offs = f.get_tensor("offsets").tolist()
+            except Exception as e:  # noqa: BLE001
+                raise DataError(f"cannot read shard {path}: {e}") from None
+            out += [b - a for a, b in zip(offs[:-1], offs[1:])]
+        return out
+
     def records(self) -> list[dict[str, torch.Tensor]]:
         """Every sample as views into memory-mapped shards (nothing is copied until used)."""
         from safetensors import safe_open

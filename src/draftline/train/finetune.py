@@ -29,6 +29,11 @@ def ds_config(cfg: FinetuneConfig) -> dict:
         conf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DataError(f"DeepSpeed config {path} is unreadable ({e}); pass ds_config=<a JSON file>") from None
+    bad = next((k for k in ("zero_optimization", "optimizer") if not isinstance(conf.get(k, {}), dict)), None) \
+        if isinstance(conf, dict) else "the file"
+    if bad or not isinstance((conf.get("optimizer") or {}).get("params", {}), dict):
+        raise DataError(f"DeepSpeed config {path}: {bad or 'optimizer.params'} must be a JSON object (see "
+                        "configs/zero2.json); pass ds_config=<a DeepSpeed JSON config>")
     conf = {k: v for k, v in conf.items() if not k.startswith("_")}
     conf["zero_optimization"] = {**conf.get("zero_optimization", {}), "stage": cfg.zero_stage}
     conf["bf16"] = {"enabled": cfg.precision == "bf16"}
@@ -69,6 +74,24 @@ def check_parent_fits_data(name: str, header: dict, manifest: dict) -> None:
         raise DataError(f"parent {name} was trained for a verifier with {got}, but the data was prepared with "
                         f"{manifest.get('verifier_name') or manifest['verifier']} ({want}): prepare the data with "
                         "the parent's verifier, or choose a parent made for this one")
+
+
+def check_parent_config_matches_weights(name: str, config: dict | None, header: dict) -> None:
+    """Refuse a parent whose config.json describes another shape than its weights (the config of another
+    checkpoint beside these weights would build a drafter the weights do not fit, or silently reshape it)."""
+    layer = (config or {}).get("transformer_layer_config") or config or {}
+    shape = {k: v[0] for k, v in header.items()}
+    found = {"hidden size": shape.get("fc.weight", [None])[0]}
+    for prefix in ("layers.0.", "midlayer."):
+        if f"{prefix}mlp.gate_proj.weight" in shape:
+            found["intermediate size"] = shape[f"{prefix}mlp.gate_proj.weight"][0]
+    said = {"hidden size": layer.get("hidden_size"), "intermediate size": layer.get("intermediate_size")}
+    wrong = [k for k, v in found.items() if v is not None and said.get(k) is not None and said[k] != v]
+    if wrong:
+        raise CheckpointError(f"parent {name}: its config.json says " + ", ".join(f"{k} {said[k]}" for k in wrong)
+                              + " but its weights have " + ", ".join(f"{k} {found[k]}" for k in wrong)
+                              + ": the config.json belongs to another checkpoint; put the weights' own config "
+                              "beside them")
 
 
 def choose_vocab(cfg: FinetuneConfig, files, data, verifier_vocab: int) -> tuple[dict, dict[str, int]]:
@@ -223,6 +246,33 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     if cfg.ds_config and not Path(cfg.ds_config).is_file():
         raise DataError(f"DeepSpeed config {cfg.ds_config} does not exist: pass --ds-config <a JSON file>")
 
+    # every check that needs no rank: before the run exists, so a mistake leaves no FAILED run behind
+    shortest = min(data.sample_lengths(), default=0)
+    if cfg.tokens_per_batch < shortest:
+        raise DataError(f"--tokens-per-batch {cfg.tokens_per_batch} is below the shortest sample of {cfg.data} "
+                        f"({shortest} tokens): every batch would hold one sample over budget; pass "
+                        f"--tokens-per-batch {shortest} or more")
+    files, layout, sha, remap, header = None, "none", "none", "none", None
+    if not parent.is_random:
+        files = find_checkpoint(parent.path, allow_pickle=cfg.allow_pickle)
+        header = read_header(files)
+        layout = detect_layout(header)
+        check_parent_config_matches_weights(parent.name, files.config, header)
+        check_parent_fits_data(parent.name, header, manifest)
+        remap = key_remap(layout)
+        p_aux = aux_layer_ids(files.config)
+        if p_aux and p_aux != manifest["aux_layer_ids"]:
+            raise DataError(f"parent {parent.name} reads aux layers {p_aux} but the data has "
+                            f"{manifest['aux_layer_ids']}: prepare the data with --aux-layers "
+                            f"{','.join(map(str, p_aux))}")
+    vocab, counts = choose_vocab(cfg, files, data, manifest["vocab_size"])
+    layer = layer_config(manifest["verifier"], files.config if files else None)
+    from draftline.train.preflight import preflight  # every check a rank would make, before hashing/launch
+
+    preflight(verifier=manifest["verifier"], layer=layer, manifest=manifest, vocab=vocab,
+              parent_files=files, header=header, vocab_policy=cfg.vocab)
+    conf = ds_config(cfg)
+
     with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune from {parent.name}",
                                                run_id=resume_run, system_metrics=True) as active:
         run_id = active.info.run_id
@@ -230,30 +280,11 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
               file=sys.stderr, flush=True)
         work = work_dir() / run_id
         work.mkdir(parents=True, exist_ok=True)
-        files, layout, sha, remap = None, "none", "none", "none"
-        if not parent.is_random:
-            files = find_checkpoint(parent.path, allow_pickle=cfg.allow_pickle)
-            header = read_header(files)
-            layout = detect_layout(header)
-            check_parent_fits_data(parent.name, header, manifest)
-            remap = key_remap(layout)
-            p_aux = aux_layer_ids(files.config)
-            if p_aux and p_aux != manifest["aux_layer_ids"]:
-                raise DataError(f"parent {parent.name} reads aux layers {p_aux} but the data has "
-                                f"{manifest['aux_layer_ids']}: prepare the data with --aux-layers "
-                                f"{','.join(map(str, p_aux))}")
-        vocab, counts = choose_vocab(cfg, files, data, manifest["vocab_size"])
-        layer = layer_config(manifest["verifier"], files.config if files else None)
-        from draftline.train.preflight import preflight  # every check a rank would make, before hashing/launch
-
-        preflight(verifier=manifest["verifier"], layer=layer, manifest=manifest, vocab=vocab,
-                  parent_files=files, header=header if files else None, vocab_policy=cfg.vocab)
         if files:
             sha = sha256_files(files.weights)
         vocab_file = work / "vocab.safetensors"
         save_file({"d2t": vocab["d2t"].contiguous(), "t2d": vocab["t2d"].contiguous()}, str(vocab_file))
 
-        conf = ds_config(cfg)
         params = {
             **lineage.parent_params(parent, sha256=sha, layout=layout, key_remap=remap),
             "vocab.policy": cfg.vocab if not parent.is_random else "rebuild",
