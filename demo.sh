@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The demo: tiny verifier, served on loopback as `vllm serve` would -> an evaluation set from held-out prompts
+# The demo: tiny verifier, served on loopback by draftline's emulation of `vllm serve` (tiny_server) -> an evaluation set from held-out prompts
 # answered by the verifier -> the parent measured on it -> training data answered by the verifier -> finetune
 # from the tiny AQ-MedAI-layout parent (DeepSpeed ZeRO-2, 2 ranks; CPU here) -> the child measured on the same
 # set -> export + register -> promote to Production (only if it beats its parent there) -> verified pull.
@@ -8,6 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source .venv/bin/activate
 export DRAFTLINE_TINY_DIR="$PWD/work/tiny"
+# The tiny demo keeps to its 4 minutes on the in-process engine: real vLLM costs ~30 s a start, five starts here.
+# demo_real.sh runs real vLLM; DRAFTLINE_VLLM_PYTHON=.venv-vllm/bin/python ./demo.sh runs this one on it too.
+export DRAFTLINE_VLLM_PYTHON=${DRAFTLINE_VLLM_PYTHON:-off}
 field() { python -c "import json,sys; print(json.load(sys.stdin)['$1'])"; }
 said() {  # evaluate's JSON as one line
   python -c "import json,sys; r=json.load(sys.stdin); print(f\"$1: acceptance length {r['measured_acceptance_length']}\"

@@ -177,6 +177,8 @@ class EvaluateConfig(_Strict):
     concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight on the vLLM server.")
     verifier: str | None = Field(None, description="The verifier's directory on this machine (default: where the "
                                  "evaluation set was captured from).")
+    confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Confidence level of the interval around the "
+                              "measured acceptance length (a seeded bootstrap over prompts).")
     draft_cost_ratio: float = Field(0.05, gt=0.0, le=1.0, description="Cost of one draft step relative to one "
                                     "verifier step, for the recommended num_speculative_tokens.")
     tokens_per_batch: int = Field(4096, ge=16, description="Packed tokens per teacher-forced batch.")

@@ -285,6 +285,8 @@ def run(cfg: ExportConfig) -> dict[str, str]:
         from draftline.evaluation.stage import attach, evaluations_for
 
         evaluated = evaluations_for(client, ft_id, step)
+        from draftline.policies import policy_set
+
         found = recommended_k(evaluated, policy_set())
         k = found[0] if found else None
         if found:  # measured: vLLM reads num_speculative_tokens from here, and pull prints the same
@@ -380,18 +382,6 @@ def recommended_k(evaluated: list[dict], preferred_set: str | None = None) -> tu
     for result in on_set or measured:
         return int(result["metrics"][RECOMMENDED_K]), result["data"]["name"]
     return None
-
-
-def policy_set(stage: str = "Production") -> str | None:
-    """The evaluation set the ``stage`` policy judges by (None when it has no policy or names none)."""
-    from draftline.errors import ConfigError
-    from draftline.policies import load_policy, policy_path
-
-    try:
-        rule = load_policy(policy_path(stage)).evaluation
-    except ConfigError:
-        return None
-    return rule.data if rule else None
 
 
 def export_digest(manifest: dict[str, str]) -> str:

@@ -16,6 +16,9 @@ class Comparison(BaseModel):
     model_config = ConfigDict(extra="forbid")
     metric: str
     margin: float = Field(0.0, ge=0.0)
+    confidence: float | None = Field(None, gt=0.5, lt=1.0, description="with it, the rule reads the paired "
+                                     "difference prompt by prompt: its lower bound at this confidence must be "
+                                     ">= -margin (without it: the point estimates, v >= w - margin)")
 
 
 class TagValue(BaseModel):
@@ -32,6 +35,8 @@ class EvaluationRule(BaseModel):
                                   "have it, else the teacher-forced one")
     require_lossless: bool = Field(True, description="a measured evaluation must have reproduced the verifier's "
                                    "greedy output token for token")
+    min_prompts: int | None = Field(None, ge=1, description="the measured evaluation must have decoded at least "
+                                    "this many prompts (fewer give intervals too wide to decide on)")
 
 
 class Policy(BaseModel):
@@ -64,6 +69,15 @@ def policy_path(stage: str) -> Path:
 
     folder = os.environ.get(POLICIES_ENV)
     return Path(folder) / f"{stage.lower()}.yaml" if folder else shipped("registry_policies", f"{stage.lower()}.yaml")
+
+
+def policy_set(stage: str = "Production") -> str | None:
+    """The evaluation set the ``stage`` policy judges by (None when it has no policy or names none)."""
+    try:
+        rule = load_policy(policy_path(stage)).evaluation
+    except ConfigError:
+        return None
+    return rule.data if rule else None
 
 
 def load_policy(path: Path | str) -> Policy:
@@ -175,6 +189,14 @@ def _evaluated(rule: EvaluationRule, evidence: Evidence):
         return None, [RuleResult(f"evaluated on {rule.data}", False,
                                  f"no evaluation on {rule.data}: {evidence.version_hint}")]
     out = [RuleResult(f"evaluated on {rule.data}", True, f"{ev.name} {ev.digest[:12]}: {ev.summary()}")]
+    if rule.min_prompts is not None:
+        from draftline.evaluation.results import PROMPTS
+
+        n = ev.metrics.get(PROMPTS)
+        ok = n is not None and n >= rule.min_prompts
+        out.append(RuleResult(f"measured on >= {rule.min_prompts} prompts", ok,
+                              f"{int(n)} prompts" if n is not None else "the evaluation does not say how many "
+                              f"prompts it measured: {evidence.version_hint}"))
     if rule.require_lossless and LOSSLESS in ev.metrics:
         ok = ev.metrics[LOSSLESS] == 1.0
         out.append(RuleResult("speculative decoding lossless", ok, "output identical to the verifier's greedy "
@@ -211,5 +233,32 @@ def _compare_evaluations(policy: Policy, cmp_: Comparison, label: str, ev, evide
     if v is None or w is None:
         return RuleResult(rule, False, f"{cmp_.metric} missing ({v} vs {w})")
     kind = ("measured" if prefer else "teacher-forced") if cmp_.metric == HEADLINE else cmp_.metric
+    if cmp_.confidence is not None:
+        return _compare_paired(cmp_, label, rule, ev, theirs, prefer, hint)
     detail = f"{kind} {v:.4f} vs {label} {w:.4f} ({v - w:+.4f}); version {ev.summary()}; {label} {theirs.summary()}"
     return RuleResult(rule, v >= w - cmp_.margin, detail)
+
+
+def _compare_paired(cmp_: Comparison, label: str, rule: str, ev, theirs, measured: bool, hint: str) -> RuleResult:
+    """The paired form: the difference prompt by prompt on the prompts both sides measured, with its bootstrap
+    interval; the rule holds when the interval's lower bound is >= -margin."""
+    from draftline.evaluation.confidence import paired_difference
+    from draftline.evaluation.results import HEADLINE
+
+    rule = f"{rule} at {cmp_.confidence:.0%} (paired)"
+    if cmp_.metric != HEADLINE or not measured:
+        return RuleResult(rule, False, f"the paired form compares measured {HEADLINE} only; both sides need a "
+                          "measured evaluation on the set")
+    for who, e, fix in (("the version", ev, "rerun its evaluation"), (f"the {label}", theirs, hint)):
+        if not e.per_prompt:
+            return RuleResult(rule, False, f"{who} has no per-prompt evidence on {ev.name} (evaluated before "
+                              f"draftline kept it): {fix}")
+    diff = paired_difference(ev.per_prompt, theirs.per_prompt, level=cmp_.confidence)
+    if diff is None:
+        return RuleResult(rule, False, f"the version and the {label} share no prompt on {ev.name}: evaluate both "
+                          "with the same --max-prompts")
+    ok = diff.low >= -cmp_.margin
+    words = (f"lower bound {diff.low:+.4f} {'>=' if ok else '<'} -{cmp_.margin}: "
+             + ("not worse, at this confidence" if ok else "could be worse by more than the margin"))
+    return RuleResult(rule, ok, f"delta {diff.value:+.4f} [{diff.low:+.4f}, {diff.high:+.4f}] on {diff.n} paired "
+                      f"prompts; {words}; version {ev.summary()}; {label} {theirs.summary()}")

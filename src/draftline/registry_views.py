@@ -30,6 +30,26 @@ def list_models(client) -> list[dict]:
     return sorted(rows, key=lambda r: r["name"])
 
 
+def measured_on_policy_set(client, mv) -> str | None:
+    """``measured 1.59 [1.48, 1.70] on 32`` for ``mv`` on the Production policy's evaluation set, if evaluated."""
+    from draftline.evaluation.results import HIGH_LOW, MEASURED, PROMPTS, evaluations_of, on_set
+    from draftline.policies import policy_set
+
+    wanted = policy_set()
+    if not wanted:
+        return None
+    try:
+        ev = on_set(evaluations_of(client, model_id_of(mv)), wanted)
+    except RegistryError:
+        return None
+    if ev is None or MEASURED not in ev.metrics:
+        return None
+    lo, hi = (ev.metrics.get(k) for k in HIGH_LOW)
+    band = f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else ""
+    n = ev.metrics.get(PROMPTS)
+    return f"{ev.metrics[MEASURED]:.2f}{band}" + (f" on {int(n)}" if n else "")
+
+
 def list_versions(client, name: str) -> list[dict]:
     try:
         model = client.get_registered_model(name)
@@ -44,7 +64,8 @@ def list_versions(client, name: str) -> list[dict]:
         rows.append({"version": str(v.version), "stage": v.current_stage, "aliases": aliases.get(str(v.version), []),
                      "metrics": {k: float(tags[f"metric.{k}"]) for k in HEADLINE_METRICS if f"metric.{k}" in tags},
                      "parent": tags.get("parent.source"), "pairing": tags.get("train.pairing"),
-                     "model_id": model_id_of(v), "created": v.creation_timestamp})
+                     "model_id": model_id_of(v), "created": v.creation_timestamp,
+                     "measured": measured_on_policy_set(client, v)})
     return rows
 
 
@@ -61,11 +82,12 @@ def render_models(rows: list[dict]) -> str:
 def render_versions(name: str, rows: list[dict]) -> str:
     if not rows:
         return f"{name} has no versions"
-    lines = [f"{'version':>7}  {'stage':<10} {'aliases':<22} {HEADLINE:>22}  parent"]
+    lines = [f"{'version':>7}  {'stage':<10} {'aliases':<22} {HEADLINE:>22}  {'measured [95% interval]':<26} parent"]
     for r in rows:
         metric = r["metrics"].get(HEADLINE)
         lines.append(f"{r['version']:>7}  {r['stage']:<10} {', '.join('@' + a for a in r['aliases']) or '-':<22} "
-                     f"{'-' if metric is None else f'{metric:.4f}':>22}  {r['parent'] or '-'}")
+                     f"{'-' if metric is None else f'{metric:.4f}':>22}  {r.get('measured') or '-':<26} "
+                     f"{r['parent'] or '-'}")
     return "\n".join(lines)
 
 
@@ -88,6 +110,7 @@ def compare(client, name: str, versions: list[str]) -> dict:
                     mvs.append(parent)
     keys = [*VERSION_TAG_PARAMS, "finetune.run_id", "export.sha256", *(f"metric.{k}" for k in HEADLINE_METRICS)]
     rows = {k.removeprefix("metric."): [mv.tags.get(k) for mv in mvs] for k in keys}
+    rows["eval/measured (policy set)"] = [measured_on_policy_set(client, mv) for mv in mvs]
     rows["stage"] = [mv.current_stage for mv in mvs]
     return {"name": name, "columns": columns, "rows": rows}
 

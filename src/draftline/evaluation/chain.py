@@ -46,6 +46,7 @@ class ChainResult:
     lossless_checked: bool = True  # False where the backend cannot see the verifier's own greedy output
     backend: str = "transformers"
     outputs: list[list[int]] = field(default_factory=list, repr=False)  # generated token ids, per prompt
+    per_prompt: list[dict] = field(default_factory=list, repr=False)  # evidence per prompt (prompt_row)
 
     @property
     def acceptance_length(self) -> float:
@@ -82,7 +83,7 @@ class ChainResult:
         return out
 
     def to_dict(self) -> dict:
-        return {**{k: v for k, v in asdict(self).items() if k != "outputs"}, "acceptance_length": self.acceptance_length,
+        return {**{k: v for k, v in asdict(self).items() if k not in ("outputs", "per_prompt")}, "acceptance_length": self.acceptance_length,
                 "per_position_rates": self.per_position_rates}
 
 
@@ -98,6 +99,12 @@ class Counters:
 
     def __post_init__(self):
         self.accepted_per_pos = self.accepted_per_pos or [0] * self.k
+
+    def add(self, other: Counters) -> None:
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted += other.accepted
+        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos, strict=True)]
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.drafts += 1
@@ -215,10 +222,14 @@ def measure_chain(verifier, drafter, prompts: list[list[int]], *, k: int, max_ne
     proposer = Eagle3Proposer(drafter)
     counters = Counters(k)
     outputs: list[list[int]] = []
+    per_prompt: list[dict] = []
     start = time.perf_counter()
     for prompt in tqdm(prompts, desc="speculative decoding", unit="prompt", **bar_kwargs(progress)):
+        one = Counters(k)
         outputs.append(speculative_generate(verifier, proposer, prompt, k=k, max_new_tokens=max_new_tokens,
-                                            eos_token_ids=eos, counters=counters))
+                                            eos_token_ids=eos, counters=one))
+        counters.add(one)
+        per_prompt.append(prompt_row(prompt, one.drafts, one.accepted, one.accepted_per_pos, len(outputs[-1])))
     seconds = time.perf_counter() - start
     mismatches = []
     for i, (prompt, got) in enumerate(zip(prompts, outputs, strict=True)):
@@ -228,7 +239,15 @@ def measure_chain(verifier, drafter, prompts: list[list[int]], *, k: int, max_ne
     return ChainResult(k=k, prompts=len(prompts), drafts=counters.drafts, draft_tokens=counters.draft_tokens,
                        accepted=counters.accepted, accepted_per_pos=counters.accepted_per_pos,
                        generated_tokens=sum(len(o) for o in outputs), seconds=seconds, mismatches=mismatches,
-                       outputs=outputs)
+                       outputs=outputs, per_prompt=per_prompt)
+
+
+def prompt_row(prompt: list[int], drafts: int, accepted: int, accepted_per_pos: list[int], generated: int) -> dict:
+    """One prompt's evidence (``per_prompt.jsonl``): what later comparisons pair prompt by prompt."""
+    from draftline.evaluation.confidence import prompt_key
+
+    return {"key": prompt_key(prompt), "drafts": drafts, "accepted": accepted,
+            "accepted_per_pos": list(accepted_per_pos), "generated": generated}
 
 
 def recommend_num_speculative_tokens(per_position_rates: list[float], draft_cost_ratio: float = 0.05) -> int:

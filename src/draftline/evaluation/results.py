@@ -17,6 +17,10 @@ TEACHER_FORCED = "eval/teacher_forced/acceptance_length"
 HEADLINE = "eval/acceptance_length"
 LOSSLESS = "eval/measured/lossless"
 RECOMMENDED_K = "eval/recommended_num_speculative_tokens"
+MEASURED_LOW = "eval/measured/acceptance_length_low"
+MEASURED_HIGH = "eval/measured/acceptance_length_high"
+PROMPTS = "eval/measured/prompts"
+HIGH_LOW = (MEASURED_LOW, MEASURED_HIGH)
 
 
 @dataclass
@@ -24,6 +28,8 @@ class Evaluation:
     name: str  # the evaluation set's name, as prepare logged it
     digest: str  # the data set digest MLflow keeps (the first 36 hex digits of the shards' sha256)
     metrics: dict[str, float] = field(default_factory=dict)
+    run_id: str | None = None  # the evaluate run of the measured figure (its per_prompt.jsonl)
+    per_prompt: list[dict] | None = None  # loaded for the policy's set by evidence_for
 
     def value(self, metric: str, *, prefer_measured: bool = True) -> float | None:
         if metric == HEADLINE:
@@ -36,7 +42,9 @@ class Evaluation:
 
     def summary(self) -> str:
         tf, me = self.metrics.get(TEACHER_FORCED), self.metrics.get(MEASURED)
-        parts = [f"measured {me:.3f}" if me is not None else "measured -",
+        lo, hi = self.metrics.get(MEASURED_LOW), self.metrics.get(MEASURED_HIGH)
+        band = f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else ""
+        parts = [f"measured {me:.3f}{band}" if me is not None else "measured -",
                  f"teacher-forced {tf:.3f}" if tf is not None else "teacher-forced -"]
         return ", ".join(parts)
 
@@ -69,6 +77,8 @@ def evaluations_of(client, model_id: str | None) -> list[Evaluation]:
                                        (Evaluation(m.dataset_name or "", m.dataset_digest), {}))
         if m.timestamp >= stamps.get(m.key, -1):
             ev.metrics[m.key], stamps[m.key] = m.value, m.timestamp
+            if m.key == MEASURED:
+                ev.run_id = getattr(m, "run_id", None)
     return [ev for ev, _ in by_set.values()]
 
 
@@ -118,9 +128,18 @@ def evidence_for(client, name: str, mv, current, data: str):
     def hint(target: str) -> str:
         return f"run `draftline evaluate --target {target} --data <the {data} set: runs:/<prepare run>/data>`"
 
+    from draftline.evaluation.confidence import read_per_prompt
+
+    def with_evidence(evaluations: list[Evaluation] | None) -> list[Evaluation] | None:
+        for ev in evaluations or []:  # the per-prompt evidence of the policy's set, for paired comparisons
+            if (ev.name == data or (len(data) >= 8 and ev.digest.startswith(data))) and ev.run_id:
+                ev.per_prompt = read_per_prompt(client, ev.run_id)
+        return evaluations
+
     parent, parent_target = _parent_evaluations(client, mv)
-    return Evidence(version=evaluations_of(client, model_id_of(mv)),
-                    current=evaluations_of(client, model_id_of(current)) if current is not None else [],
-                    parent=parent, version_hint=hint(f"models:/{name}/{mv.version}"),
+    return Evidence(version=with_evidence(evaluations_of(client, model_id_of(mv))),
+                    current=with_evidence(evaluations_of(client, model_id_of(current)) if current is not None
+                                          else []),
+                    parent=with_evidence(parent), version_hint=hint(f"models:/{name}/{mv.version}"),
                     current_hint=hint(f"models:/{name}/{current.version}") if current is not None else "",
                     parent_hint=hint(parent_target) if parent_target else "")

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from draftline.config import EvaluateConfig, work_dir
+from draftline.console import say
 from draftline.errors import DataError
 from draftline.evaluation import results
 
@@ -120,8 +121,19 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     if cross is not None:  # the in-process chain beside vLLM's figure, on the same prompts
         metrics.update({f"eval/inprocess/{k}": v for k, v in cross.metrics().items()})
         metrics["eval/inprocess/acceptance_length_difference"] = chain.acceptance_length - cross.acceptance_length
+    interval = None
     if chain is not None:
         metrics.update({f"eval/measured/{k}": v for k, v in chain.metrics().items()})
+        metrics["eval/measured/prompts"] = float(n_prompts)
+        if chain.per_prompt:
+            from draftline.evaluation.confidence import acceptance_interval
+
+            interval = acceptance_interval(chain.per_prompt, level=cfg.confidence)
+            metrics.update({"eval/measured/acceptance_length_low": interval.low,
+                            "eval/measured/acceptance_length_high": interval.high,
+                            "eval/measured/confidence": cfg.confidence})
+            say(f"[draftline] measured {interval.text()} on {interval.n} prompts ({cfg.confidence:.0%} interval, "
+                f"width {interval.width:.2f}; {backend})")
         recommended = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
         metrics[results.RECOMMENDED_K] = float(recommended)
         if chain.mismatches:
@@ -157,6 +169,11 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
         with tempfile.TemporaryDirectory(prefix="draftline-evaluate-") as tmp:
             (Path(tmp) / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
             mlflow.log_artifact(str(Path(tmp) / RESULT_FILE))
+            if chain is not None and chain.per_prompt:  # what a later comparison pairs prompt by prompt
+                from draftline.evaluation.confidence import PER_PROMPT_FILE
+
+                (Path(tmp) / PER_PROMPT_FILE).write_text("".join(json.dumps(r) + "\n" for r in chain.per_prompt))
+                mlflow.log_artifact(str(Path(tmp) / PER_PROMPT_FILE))
     out = {"run_id": active.info.run_id, "target": target.name, "data": f"{data_name} ({manifest['digest'][:12]})",
            "teacher_forced_acceptance_length": round(tf["acceptance_length"], 4)}
     if chain is not None:
@@ -167,6 +184,9 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
                     "recommended_num_speculative_tokens": int(metrics[results.RECOMMENDED_K])})
         if cross is not None:
             out["inprocess_acceptance_length"] = round(cross.acceptance_length, 4)
+        if interval is not None:
+            out["measured_interval"] = [round(interval.low, 4), round(interval.high, 4)]
+            out["confidence"] = cfg.confidence
     return out
 
 

@@ -14,13 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from draftline.evaluation.chain import ChainResult, first_mismatch
-from draftline.serving.client import auth_headers, complete, read_counters, settled_counters
+from draftline.serving.client import auth_headers, complete_with_stats, read_counters, settled_counters
 
 
 def generate_all(endpoint: str, model: str, prompts: list[list[int]], *, max_new_tokens: int,
                  concurrency: int = 8, timeout_s: float = 600.0, progress: bool = False,
-                 what: str = "vLLM") -> tuple[list[list[int]], float]:
-    """Greedy completions of every prompt, ``concurrency`` in flight: ``(outputs in prompt order, seconds)``."""
+                 what: str = "vLLM", stats: list | None = None) -> tuple[list[list[int]], float]:
+    """Greedy completions of every prompt, ``concurrency`` in flight: ``(outputs in prompt order, seconds)``;
+    each request's spec-decode statistics (or None) are appended to ``stats`` in prompt order."""
     from tqdm import tqdm
 
     from draftline.console import bar_kwargs
@@ -29,15 +30,17 @@ def generate_all(endpoint: str, model: str, prompts: list[list[int]], *, max_new
     start, tokens = time.perf_counter(), [0]
     with httpx.Client() as client, ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool, \
             tqdm(total=len(prompts), desc=f"[draftline] {what}", unit="prompt", **bar_kwargs(progress)) as bar:
-        def one(prompt: list[int]) -> list[int]:
-            out = complete(client, endpoint, model, prompt, max_tokens=max_new_tokens, headers=headers,
-                           timeout_s=timeout_s)
+        def one(prompt: list[int]) -> tuple[list[int], dict | None]:
+            out, spec = complete_with_stats(client, endpoint, model, prompt, max_tokens=max_new_tokens,
+                                            headers=headers, timeout_s=timeout_s)
             tokens[0] += len(out)
             bar.update(1)
             bar.set_postfix_str(f"{tokens[0] / max(time.perf_counter() - start, 1e-9):.0f} tokens/s")
-            return out
-        outputs = list(pool.map(one, prompts))
-    return outputs, time.perf_counter() - start
+            return out, spec
+        done = list(pool.map(one, prompts))
+    if stats is not None:
+        stats.extend(spec for _, spec in done)
+    return [out for out, _ in done], time.perf_counter() - start
 
 
 def measure_vllm(endpoint: str, model: str, prompts: list[list[int]], *, max_new_tokens: int,
@@ -47,9 +50,10 @@ def measure_vllm(endpoint: str, model: str, prompts: list[list[int]], *, max_new
     kept on the result (``outputs``) for a lossless check against a plain server."""
     headers = auth_headers()
     before = read_counters(endpoint, model, headers)
+    stats: list[dict | None] = []
     outputs, seconds = generate_all(endpoint, model, prompts, max_new_tokens=max_new_tokens,
                                     concurrency=concurrency, timeout_s=timeout_s, progress=progress,
-                                    what="measuring on vLLM")
+                                    what="measuring on vLLM", stats=stats)
     after = settled_counters(endpoint, model, headers)
 
     per_before, per_after = before["num_accepted_tokens_per_pos"], after["num_accepted_tokens_per_pos"]
@@ -60,7 +64,24 @@ def measure_vllm(endpoint: str, model: str, prompts: list[list[int]], *, max_new
                          accepted_per_pos=[int(round(per_after.get(p, 0.0) - per_before.get(p, 0.0)))
                                            for p in range(k)],
                          generated_tokens=sum(len(o) for o in outputs), seconds=seconds, mismatches=[],
-                         lossless_checked=False, backend="vllm", outputs=outputs)
+                         lossless_checked=False, backend="vllm", outputs=outputs,
+                         per_prompt=per_prompt_rows(prompts, outputs, stats, k))
+
+
+def per_prompt_rows(prompts, outputs, stats, k: int) -> list[dict]:
+    """Per-prompt evidence from vLLM's per-request statistics (its acceptance histogram: steps that accepted j
+    drafts); empty where the server reports none (``--per-request-spec-decode-metrics`` not set)."""
+    from draftline.evaluation.chain import prompt_row
+
+    if not stats or any(s is None for s in stats):
+        return []
+    rows = []
+    for prompt, out, s in zip(prompts, outputs, stats, strict=True):
+        hist = list(s.get("acceptance_histogram") or [])
+        per_pos = [sum(hist[j] for j in range(i + 1, len(hist))) for i in range(k)]
+        rows.append(prompt_row(prompt, int(s["num_spec_steps"]), int(s["num_accepted_draft_tokens"]), per_pos,
+                               len(out)))
+    return rows
 
 
 def lossless_against(result: ChainResult, reference: list[list[int]]) -> ChainResult:

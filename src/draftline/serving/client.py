@@ -97,6 +97,15 @@ def complete(client: httpx.Client, endpoint: str, model: str, prompt: list[int] 
              headers: dict[str, str], timeout_s: float = 600.0, extra: dict | None = None) -> list[int]:
     """One greedy completion (``temperature=0``) through ``POST <endpoint>/completions``: the generated token
     ids (vLLM's ``return_token_ids``)."""
+    return complete_with_stats(client, endpoint, model, prompt, max_tokens=max_tokens, headers=headers,
+                               timeout_s=timeout_s, extra=extra)[0]
+
+
+def complete_with_stats(client: httpx.Client, endpoint: str, model: str, prompt: list[int] | str, *,
+                        max_tokens: int, headers: dict[str, str], timeout_s: float = 600.0,
+                        extra: dict | None = None) -> tuple[list[int], dict | None]:
+    """:func:`complete`, and the request's own spec-decode statistics where the server reports them
+    (``metrics.speculative_decoding``: vLLM with ``--per-request-spec-decode-metrics summary``)."""
     from draftline.data.regenerate import redact
 
     url = endpoint.rstrip("/") + "/completions"
@@ -110,9 +119,11 @@ def complete(client: httpx.Client, endpoint: str, model: str, prompt: list[int] 
     if r.status_code != 200:
         first = (r.text.strip().splitlines() or [""])[0][:200]
         raise DataError(f"{redact(url)} answered HTTP {r.status_code} to a completion request: {first}")
-    choice = (r.json().get("choices") or [{}])[0]
+    body = r.json()
+    choice = (body.get("choices") or [{}])[0]
+    stats = (body.get("metrics") or {}).get("speculative_decoding")
     ids = choice.get("token_ids")
     if ids is None:  # a server without return_token_ids: only the count is known
-        n = int((r.json().get("usage") or {}).get("completion_tokens", 0))
-        return [-1] * n
-    return [int(t) for t in ids]
+        n = int((body.get("usage") or {}).get("completion_tokens", 0))
+        return [-1] * n, stats
+    return [int(t) for t in ids], stats

@@ -86,8 +86,8 @@ class ServeSpec:
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         spec = self.speculative_config()
-        if spec:
-            cmd += ["--speculative-config", json.dumps(spec)]
+        if spec:  # each response then carries its own acceptance: per-prompt evidence, measured concurrently
+            cmd += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
         return cmd + list(self.extra_args)
 
 

@@ -1,0 +1,105 @@
+"""How sure an acceptance figure is: per-prompt evidence, a bootstrap interval over prompts, and the paired
+difference of two drafters measured on the same prompts.
+
+Acceptance length is a ratio over the whole set, ``1 + sum(accepted) / sum(drafts)``, so a resample draws
+prompts with replacement and recomputes the ratio (prompts of different lengths weigh as they do in the figure
+itself). The paired difference resamples the *same* prompt indices for both drafters, which removes the
+between-prompt variance both share: two drafters equally good on a set show a difference near 0 with a narrow
+interval, where two independent intervals would overlap widely. Seeded, so a figure is reproducible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+PER_PROMPT_FILE = "per_prompt.jsonl"
+DEFAULT_RESAMPLES = 2000
+
+
+def prompt_key(prompt: list[int]) -> str:
+    """A prompt's identity across evaluations (the sha256 of its token ids, 16 hex digits)."""
+    return hashlib.sha256(json.dumps(list(prompt)).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Interval:
+    value: float
+    low: float
+    high: float
+    level: float
+    n: int
+
+    @property
+    def width(self) -> float:
+        return self.high - self.low
+
+    def text(self) -> str:
+        return f"{self.value:.2f} [{self.low:.2f}, {self.high:.2f}]"
+
+
+def _ratio(drafts, accepted, idx) -> float:
+    d = sum(drafts[i] for i in idx)
+    return 1.0 + sum(accepted[i] for i in idx) / d if d else 1.0
+
+
+def _quantiles(values: list[float], level: float) -> tuple[float, float]:
+    values = sorted(values)
+    lo_i = int((1 - level) / 2 * (len(values) - 1))
+    hi_i = int(round((1 + level) / 2 * (len(values) - 1)))
+    return values[lo_i], values[hi_i]
+
+
+def acceptance_interval(rows: list[dict], *, level: float = 0.95, resamples: int = DEFAULT_RESAMPLES,
+                        seed: int = 0) -> Interval:
+    """Acceptance length of ``rows`` (per-prompt ``drafts``/``accepted``) with its percentile bootstrap interval."""
+    import random
+
+    drafts, accepted = [r["drafts"] for r in rows], [r["accepted"] for r in rows]
+    n = len(rows)
+    value = _ratio(drafts, accepted, range(n))
+    if n < 2:
+        return Interval(value, value, value, level, n)
+    rng = random.Random(seed)
+    boot = [_ratio(drafts, accepted, [rng.randrange(n) for _ in range(n)]) for _ in range(resamples)]
+    lo, hi = _quantiles(boot, level)
+    return Interval(value, lo, hi, level, n)
+
+
+def paired_difference(ours: list[dict], theirs: list[dict], *, level: float = 0.95,
+                      resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> Interval | None:
+    """Acceptance length of ``ours`` minus ``theirs`` on the prompts both measured (matched by ``key``), with the
+    paired bootstrap interval; None when they share no prompt."""
+    import random
+
+    by_key = {r["key"]: r for r in theirs}
+    pairs = [(r, by_key[r["key"]]) for r in ours if r["key"] in by_key]
+    if not pairs:
+        return None
+    a_d, a_a = [p[0]["drafts"] for p in pairs], [p[0]["accepted"] for p in pairs]
+    b_d, b_a = [p[1]["drafts"] for p in pairs], [p[1]["accepted"] for p in pairs]
+    n = len(pairs)
+    value = _ratio(a_d, a_a, range(n)) - _ratio(b_d, b_a, range(n))
+    if n < 2:
+        return Interval(value, value, value, level, n)
+    rng = random.Random(seed)
+    boot = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        boot.append(_ratio(a_d, a_a, idx) - _ratio(b_d, b_a, idx))
+    lo, hi = _quantiles(boot, level)
+    return Interval(value, lo, hi, level, n)
+
+
+def read_per_prompt(client, run_id: str) -> list[dict] | None:
+    """The per-prompt evidence an evaluation run logged (None when it logged none: an older evaluation)."""
+    import tempfile
+    from pathlib import Path
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = client.download_artifacts(run_id, PER_PROMPT_FILE, tmp)
+            return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except Exception:  # noqa: BLE001 (no such artifact)
+        return None
