@@ -182,14 +182,14 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None, evidence: Evidenc
 
 def _evaluated(rule: EvaluationRule, evidence: Evidence):
     """The version's evaluation on the policy's set, and the rules about it."""
-    from draftline.evaluation.results import LOSSLESS, on_set
+    from draftline.evaluation.results import LOSSLESS, MEASURED, on_set
 
     ev = on_set(evidence.version, rule.data)
     if ev is None:
         return None, [RuleResult(f"evaluated on {rule.data}", False,
                                  f"no evaluation on {rule.data}: {evidence.version_hint}")]
     out = [RuleResult(f"evaluated on {rule.data}", True, f"{ev.name} {ev.digest[:12]}: {ev.summary()}")]
-    if rule.min_prompts is not None:
+    if rule.min_prompts is not None and MEASURED in ev.metrics:  # teacher-forced only: no prompts decoded
         from draftline.evaluation.results import PROMPTS
 
         n = ev.metrics.get(PROMPTS)
@@ -233,22 +233,21 @@ def _compare_evaluations(policy: Policy, cmp_: Comparison, label: str, ev, evide
     if v is None or w is None:
         return RuleResult(rule, False, f"{cmp_.metric} missing ({v} vs {w})")
     kind = ("measured" if prefer else "teacher-forced") if cmp_.metric == HEADLINE else cmp_.metric
-    if cmp_.confidence is not None:
-        return _compare_paired(cmp_, label, rule, ev, theirs, prefer, hint)
     detail = f"{kind} {v:.4f} vs {label} {w:.4f} ({v - w:+.4f}); version {ev.summary()}; {label} {theirs.summary()}"
+    if cmp_.confidence is not None and cmp_.metric == HEADLINE and prefer:
+        return _compare_paired(cmp_, label, rule, ev, theirs, hint, f"{kind} {v:.4f} vs {label} {w:.4f} "
+                               f"({v - w:+.4f})")
+    if cmp_.confidence is not None:  # teacher-forced on one side at least: no per-prompt decoding to pair
+        detail += "; teacher-forced, so the point estimates (the paired form needs both sides measured)"
     return RuleResult(rule, v >= w - cmp_.margin, detail)
 
 
-def _compare_paired(cmp_: Comparison, label: str, rule: str, ev, theirs, measured: bool, hint: str) -> RuleResult:
+def _compare_paired(cmp_: Comparison, label: str, rule: str, ev, theirs, hint: str, point: str) -> RuleResult:
     """The paired form: the difference prompt by prompt on the prompts both sides measured, with its bootstrap
     interval; the rule holds when the interval's lower bound is >= -margin."""
     from draftline.evaluation.confidence import paired_difference
-    from draftline.evaluation.results import HEADLINE
 
     rule = f"{rule} at {cmp_.confidence:.0%} (paired)"
-    if cmp_.metric != HEADLINE or not measured:
-        return RuleResult(rule, False, f"the paired form compares measured {HEADLINE} only; both sides need a "
-                          "measured evaluation on the set")
     for who, e, fix in (("the version", ev, "rerun its evaluation"), (f"the {label}", theirs, hint)):
         if not e.per_prompt:
             return RuleResult(rule, False, f"{who} has no per-prompt evidence on {ev.name} (evaluated before "
@@ -260,5 +259,5 @@ def _compare_paired(cmp_: Comparison, label: str, rule: str, ev, theirs, measure
     ok = diff.low >= -cmp_.margin
     words = (f"lower bound {diff.low:+.4f} {'>=' if ok else '<'} -{cmp_.margin}: "
              + ("not worse, at this confidence" if ok else "could be worse by more than the margin"))
-    return RuleResult(rule, ok, f"delta {diff.value:+.4f} [{diff.low:+.4f}, {diff.high:+.4f}] on {diff.n} paired "
-                      f"prompts; {words}; version {ev.summary()}; {label} {theirs.summary()}")
+    return RuleResult(rule, ok, f"{point}; paired delta {diff.value:+.4f} [{diff.low:+.4f}, {diff.high:+.4f}] on "
+                      f"{diff.n} prompts; {words}")

@@ -95,4 +95,4 @@ def test_the_paired_rule_says_which_evaluation_lacks_per_prompt_evidence():
     assert not r.passed and "the parent has no per-prompt evidence" in r.detail and "run X" in r.detail
     old.per_prompt = drafter(2)
     r = _compare_evaluations(policy, cmp_, "parent", ev, Evidence(version=[ev], parent=[old]), None)
-    assert r.passed and "paired prompts" in r.detail and "lower bound +" in r.detail
+    assert r.passed and "paired delta +" in r.detail and "lower bound +" in r.detail

@@ -1,5 +1,7 @@
 """Promotion through registry_policies/ on a real (sqlite) registry: pass, fail, dry run, aliases."""
 
+import json
+
 import mlflow
 from click.testing import CliRunner
 from mlflow import MlflowClient
@@ -25,9 +27,16 @@ def evaluate_model(model_id, teacher_forced, measured=None, lossless=1.0, datase
     """What `draftline evaluate` attaches to a drafter's LoggedModel (numbers chosen by the test)."""
     metrics = {"eval/teacher_forced/acceptance_length": teacher_forced}
     if measured is not None:
-        metrics.update({"eval/measured/acceptance_length": measured, "eval/measured/lossless": lossless})
+        metrics.update({"eval/measured/acceptance_length": measured, "eval/measured/lossless": lossless,
+                        "eval/measured/prompts": 16.0})
     with mlflow.start_run():
         mlflow.log_metrics(metrics, step=0, model_id=model_id, dataset=dataset or evaluation_set())
+        if measured is not None:  # per-prompt evidence: 16 prompts alike, 100 drafts each
+            from draftline.evaluation.confidence import PER_PROMPT_FILE, prompt_key
+
+            rows = [{"key": prompt_key([i]), "drafts": 100, "accepted": round((measured - 1) * 100),
+                     "accepted_per_pos": [0, 0, 0], "generated": 100} for i in range(16)]
+            mlflow.log_text("".join(json.dumps(r) + "\n" for r in rows), PER_PROMPT_FILE)
 
 
 def evaluated_parent(teacher_forced=1.0, measured=None, sha="ab" * 32):
