@@ -23,7 +23,7 @@ LLAMA_LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "
 MIDLAYER_PREFIX, SPECULATORS_PREFIX = "midlayer.", "layers.0."
 MIDLAYER_REMAP = f"{MIDLAYER_PREFIX}->{SPECULATORS_PREFIX}"
 
-# The AQ-MedAI/Kimi-K2-Instruct-eagle3 drafter as its config.json describes it (DESIGN.md): one Llama layer.
+# The AQ-MedAI/Kimi-K2-Instruct-eagle3 drafter as its config.json describes it (docs/design.md): one Llama layer.
 KIMI_K2 = {
     "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64, "num_key_value_heads": 64,
     "head_dim": 128, "vocab_size": 163840, "draft_vocab_size": 32000, "aux_layer_ids": [2, 30, 58],

@@ -1,4 +1,4 @@
-"""The lineage contract (DESIGN.md): what every run and model version records about what it was made from."""
+"""The lineage contract (docs/design.md): what every run and model version records about what it was made from."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-PAIRING = "vllm-shifted"  # recorded as the ``train.pairing`` param and version tag (DESIGN.md: the pairing)
+PAIRING = "vllm-shifted"  # recorded as the ``train.pairing`` param and version tag (docs/design.md: the pairing)
 
 
 def pack(records: Sequence[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

@@ -133,7 +133,7 @@ def train(spec: WorkerSpec) -> None:
     else:
         records, val_records = split_validation(data.records(), spec.val_fraction)
 
-    # model: built, cast, then the parent's weights copied in (never under zero.Init; see DESIGN.md)
+    # model: built, cast, then the parent's weights copied in (never under zero.Init; see docs/design.md)
     from safetensors.torch import load_file
 
     vocab = load_file(spec.vocab_file)
