@@ -92,14 +92,40 @@ def paired_difference(ours: list[dict], theirs: list[dict], *, level: float = 0.
     return Interval(value, lo, hi, level, n)
 
 
-def read_per_prompt(client, run_id: str) -> list[dict] | None:
-    """The per-prompt evidence an evaluation run logged (None when it logged none: an older evaluation)."""
+def carried_path(digest: str) -> str:
+    """Where a run that carries another run's evaluation (export) keeps its per-prompt evidence."""
+    return f"evaluations/{digest[:12]}/{PER_PROMPT_FILE}"
+
+
+def carry_per_prompt(evaluation_run_id: str, digest: str) -> None:
+    """Copy an evaluation run's per-prompt evidence into the active run (export carries evaluations onto the
+    version's LoggedModel, whose metrics then name the export run)."""
     import tempfile
     from pathlib import Path
 
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = client.download_artifacts(run_id, PER_PROMPT_FILE, tmp)
-            return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    except Exception:  # noqa: BLE001 (no such artifact)
-        return None
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = mlflow.MlflowClient().download_artifacts(evaluation_run_id, PER_PROMPT_FILE, tmp)
+        except Exception:  # noqa: BLE001 (an evaluation from before per-prompt evidence)
+            return
+        mlflow.log_artifact(path, artifact_path=str(Path(carried_path(digest)).parent))
+
+
+def read_per_prompt(client, run_id: str, digest: str | None = None) -> list[dict] | None:
+    """The per-prompt evidence of run ``run_id`` (an evaluation, or an export carrying one for ``digest``);
+    None when there is none (an older evaluation)."""
+    import tempfile
+    from pathlib import Path
+
+    for name in (PER_PROMPT_FILE, carried_path(digest) if digest else None):
+        if name is None:
+            continue
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = client.download_artifacts(run_id, name, tmp)
+                return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        except Exception:  # noqa: BLE001 (no such artifact)
+            continue
+    return None

@@ -133,7 +133,7 @@ def evidence_for(client, name: str, mv, current, data: str):
     def with_evidence(evaluations: list[Evaluation] | None) -> list[Evaluation] | None:
         for ev in evaluations or []:  # the per-prompt evidence of the policy's set, for paired comparisons
             if (ev.name == data or (len(data) >= 8 and ev.digest.startswith(data))) and ev.run_id:
-                ev.per_prompt = read_per_prompt(client, ev.run_id)
+                ev.per_prompt = read_per_prompt(client, ev.run_id, ev.digest)
         return evaluations
 
     parent, parent_target = _parent_evaluations(client, mv)

@@ -218,8 +218,10 @@ def attach(found: list[dict], model_id: str) -> None:
     import mlflow
 
     from draftline import lineage
+    from draftline.evaluation.confidence import carry_per_prompt
 
     for result in found:
         d = result["data"]
         dataset = lineage.data_set({"source": d["source"], "digest": d["digest"]}, d["name"])
         mlflow.log_metrics(result["metrics"], step=0, model_id=model_id, dataset=dataset)
+        carry_per_prompt(result["run_id"], d["digest"])  # beside the metrics now pointing at this run
