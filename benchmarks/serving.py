@@ -55,8 +55,8 @@ def _setup(shape: str, tmp: Path, drafter_dir: str | None, prompts_n: int):
     tok = AutoTokenizer.from_pretrained(verifier)
     model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
     samples = load_conversations(GSM8K_TEST, prompts=True).samples[:prompts_n]
-    prompts = [tok.apply_chat_template(s["messages"], add_generation_prompt=True, tokenize=True) for s in samples]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    texts = [tok.apply_chat_template(s["messages"], add_generation_prompt=True, tokenize=False) for s in samples]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     return verifier, tok, model, load_drafter(verifier, drafter_dir), prompts, samples
 
 
