@@ -12,6 +12,9 @@ from click.testing import CliRunner
 
 from draftline.cli import cli
 
+# 24 CLI runs, ~70 s on 2 cores: the full suite's (the quick loop keeps its 3 minutes)
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo" / "conversations.jsonl"
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
