@@ -29,10 +29,11 @@ def fp8_verifier(tiny, tmp_path: Path) -> Path:
     return out
 
 
-def test_a_verifier_with_an_fp8_quantization_config_exports_a_drafter_vllm_serves(tiny, tmp_path, vllm_python):
+def export_for_fp8_verifier(tiny, tmp_path: Path, *, inherit_quantization: bool) -> Path:
+    """A drafter for the FP8-configured tiny verifier, written by export's writer: with today's decoder-layer
+    config, or (``inherit_quantization``) as exports were before, the verifier's quantization in its layer."""
     from draftline.drafter_shape import layer_config
     from draftline.export import write_drafter
-    from draftline.serving.checks import check_serves
     from draftline.train.model import build_draft_model
 
     verifier = fp8_verifier(tiny, tmp_path)
@@ -41,31 +42,31 @@ def test_a_verifier_with_an_fp8_quantization_config_exports_a_drafter_vllm_serve
     t2d[:256] = True
     model = build_draft_model(str(verifier), d2t=d2t, t2d=t2d, aux_layer_ids=AUX, draft_vocab_size=256,
                               dtype=torch.bfloat16, layer=layer_config(str(verifier)))
+    if inherit_quantization:
+        model.config.transformer_layer_config.quantization_config = KIMI_K2_FP8
     write_drafter(model, tmp_path / "drafter", {"verifier.name_or_path": "draftline/tiny-verifier"}, {})
-    layer = json.loads((tmp_path / "drafter" / "config.json").read_text())["transformer_layer_config"]
+    return tmp_path / "drafter"
+
+
+def test_a_verifier_with_an_fp8_quantization_config_exports_a_drafter_vllm_serves(tiny, tmp_path, vllm_python):
+    from draftline.serving.checks import check_serves
+
+    drafter = export_for_fp8_verifier(tiny, tmp_path, inherit_quantization=False)
+    layer = json.loads((drafter / "config.json").read_text())["transformer_layer_config"]
     assert "quantization_config" not in layer and "_name_or_path" not in layer
     # the verifier's weights are not FP8 (the CPU has no FP8 kernels): vLLM serves the same weights unquantized
-    found = check_serves(tmp_path / "drafter", tiny["verifier"], k=3, python=vllm_python)
+    found = check_serves(drafter, tiny["verifier"], k=3, python=vllm_python)
     assert found["drafts"] > 0
 
 
 def test_a_drafter_whose_layer_inherits_the_quantization_is_refused_with_vllms_reason(tiny, tmp_path, vllm_python):
     """What export's vLLM check catches: the old export (the verifier's whole config as the drafter's layer)."""
-    from draftline.export import write_drafter
     from draftline.serving.checks import check_serves
     from draftline.serving.engine import EngineError
-    from draftline.train.model import build_draft_model
 
-    verifier = fp8_verifier(tiny, tmp_path)
-    n = json.loads((verifier / "config.json").read_text())["vocab_size"]
-    d2t, t2d = torch.zeros(256, dtype=torch.long), torch.zeros(n, dtype=torch.bool)
-    t2d[:256] = True
-    model = build_draft_model(str(verifier), d2t=d2t, t2d=t2d, aux_layer_ids=AUX, draft_vocab_size=256,
-                              dtype=torch.bfloat16)
-    model.config.transformer_layer_config.quantization_config = KIMI_K2_FP8
-    write_drafter(model, tmp_path / "drafter", {"verifier.name_or_path": "draftline/tiny-verifier"}, {})
+    drafter = export_for_fp8_verifier(tiny, tmp_path, inherit_quantization=True)
     with pytest.raises(EngineError, match="quantization method fp8"):
-        check_serves(tmp_path / "drafter", tiny["verifier"], k=3, python=vllm_python)
+        check_serves(drafter, tiny["verifier"], k=3, python=vllm_python)
 
 
 def test_vllm_measures_what_the_in_process_chain_measures_and_stays_lossless(tiny, vllm_python):
