@@ -312,7 +312,8 @@ def run(cfg: ExportConfig) -> dict[str, str]:
             tags={"draftline.kind": "drafter", "draftline.finetune.run_id": ft_id})
         try:
             with _room_in_store(logged.artifact_location):
-                export_sha = export_digest(upload_with_checksums(out, logged.model_id))
+                manifest = upload_with_checksums(out, logged.model_id)
+                export_sha = export_digest(manifest)
             if cfg.layout == "midlayer":
                 with _room_in_tmp(tmp / "midlayer"):
                     write_midlayer(model, tmp / "midlayer", params)
@@ -332,7 +333,7 @@ def run(cfg: ExportConfig) -> dict[str, str]:
                 mlflow.finalize_logged_model(logged.model_id, "FAILED")
             raise
         tags = {**lineage, "export.sha256": export_sha, "export.validated": "true", "export.vllm_check": vllm_check,
-                "export.run_id": active.info.run_id,
+                "export.run_id": active.info.run_id, **registry.checksums_tag(manifest),
                 **{f"metric.{k}": f"{v:.4f}" for k, v in metrics.items()}}
         mlflow.set_tags({"export.sha256": export_sha, "export.validated": "true",
                          "draftline.model_id": logged.model_id})

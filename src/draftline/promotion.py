@@ -21,11 +21,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from draftline.errors import DraftlineError, RegistryError
-from draftline.registry import denied, mlflow_error, resolve_version
+from draftline.registry import ALIASES, denied, mlflow_error, resolve_version
 from draftline.retry import retrying, unavailable
 
 log = logging.getLogger(__name__)
-ALIASES = {"Production": "production", "Staging": "staging"}
 LOCK_SUFFIX = "--draftline-promotion-lock"
 STALE_LOCK_S = 30.0  # a promotion's writes take about a second: a lock this old belongs to a killed promoter
 WAIT_ENV = "DRAFTLINE_PROMOTION_WAIT_S"  # how long a promoter waits for the lock (default 120 s)

@@ -59,6 +59,7 @@ def resolve_version(client, uri: str):
 
 
 STAGES = ("Staging", "Production", "Archived", "None")
+ALIASES = {"Production": "production", "Staging": "staging"}  # the alias each stage follows (promotion.py)
 
 
 def registry_uri() -> str:
@@ -148,8 +149,14 @@ def exported_k(config: dict, tags: dict) -> int:
 def pull(client, name: str, *, stage: str | None, alias: str | None, version: str | None, dest: Path,
          verifier: str | None = None, use_cache: bool = True) -> dict:
     """Download a version into ``dest``, every file verified against its sha256 while it arrives (files
-    already in the local content-addressed cache are linked, not downloaded); returns ``{"version", "path",
-    "command", "speculative_config", "downloaded_bytes", "cached_bytes"}``."""
+    already in the local content-addressed cache are copied from it and hashed); returns ``{"version", "path",
+    "command", "speculative_config", "downloaded_bytes", "cached_bytes"}``.
+
+    A pull asks the tracking server for as little as it can (a fleet restarting together pays per request):
+    the version by its alias (a stage is resolved through the alias promotion keeps equal to it), the
+    LoggedModel's artifact location, and one GET per file not in the cache. The file list and digests come
+    from the version's ``export.checksums`` tag, checked against ``export.sha256``; older versions, without
+    the tag, read ``checksums.json`` from the store."""
     from draftline.transfer import BlobCache, fetch_directory
 
     chosen = [x for x in (stage, alias, version) if x]
@@ -158,20 +165,64 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     uri = f"models:/{name}/{stage.capitalize()}" if stage else f"models:/{name}@{alias}" if alias else \
         f"models:/{name}/{version}"
     # the version is resolved once: every file below comes from that one version, whatever moves meanwhile
-    _, mv = retrying(f"resolve {uri}", lambda: resolve_version(client, uri))
+    _, mv = retrying(f"resolve {uri}", lambda: _resolve_for_pull(client, name, uri, stage))
     want = mv.tags.get("verifier.name_or_path")
     if verifier and verifier != want:  # before anything is downloaded: DEST stays as it was
         raise VerificationError(f"models:/{name}/{mv.version} was trained for verifier {want}, not {verifier}; "
                                 "nothing was downloaded")
     local = Path(dest)
-    source = retrying(f"locate the files of models:/{name}/{mv.version}",
-                      lambda: client.get_model_version_download_uri(name, mv.version))
+    source = retrying(f"locate the files of models:/{name}/{mv.version}", lambda: _files_of(client, name, mv))
     stats = fetch_directory(source, local,
                             cache=BlobCache() if use_cache else None,
-                            manifest_digest=mv.tags.get("export.sha256"))
+                            manifest_digest=mv.tags.get("export.sha256"),
+                            manifest=_tagged_manifest(mv.tags.get(CHECKSUMS_TAG)))
     config = json.loads((local / "config.json").read_text())
     served = config["speculators_config"]["verifier"]["name_or_path"]
     steps = exported_k(config, mv.tags)
     cmd, spec = vllm_command(local.absolute(), verifier or served, steps)
     return {"version": mv.version, "path": str(local.absolute()), "command": cmd, "speculative_config": spec,
             "verifier": served, "downloaded_bytes": stats["downloaded_bytes"], "cached_bytes": stats["cached_bytes"]}
+
+
+CHECKSUMS_TAG = "export.checksums"  # the export's checksums.json, as a version tag: a pull needs no listing
+
+
+def _resolve_for_pull(client, name: str, uri: str, stage: str | None):
+    """A stage through its alias (one request; promotion writes the alias first and keeps the stage equal to
+    it), falling back to the stage itself for a registry without the alias."""
+    if stage and stage.capitalize() in ALIASES:
+        try:
+            return name, client.get_model_version_by_alias(name, ALIASES[stage.capitalize()])
+        except Exception as e:  # noqa: BLE001  (no such alias, or no such model: the stage path says which)
+            if unavailable(e):
+                raise
+    return resolve_version(client, uri)
+
+
+def _files_of(client, name: str, mv) -> str:
+    """Where the version's files are: its LoggedModel's artifact location (one request), the artifact URI a
+    version made from stored artifacts names as its source (none), or what the registry resolves ``runs:/``
+    to."""
+    model_id = model_id_of(mv)
+    if model_id:
+        return client.get_logged_model(model_id).artifact_location
+    source = mv.source or ""
+    if "://" in source or source.startswith("mlflow-artifacts:/") or source.startswith("/"):
+        return source
+    return client.get_model_version_download_uri(name, mv.version)
+
+
+def checksums_tag(manifest: dict[str, str]) -> dict[str, str]:
+    """The ``export.checksums`` tag for a version (nothing when the manifest is too long for a tag)."""
+    from mlflow.utils.validation import MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
+
+    value = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    return {CHECKSUMS_TAG: value} if len(value) <= MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH else {}
+
+
+def _tagged_manifest(value: str | None) -> dict | None:
+    try:
+        manifest = json.loads(value) if value else None
+    except ValueError:
+        return None
+    return manifest if isinstance(manifest, dict) else None

@@ -121,11 +121,11 @@ def run_link(experiment_id: str, run_id: str, uri: str | None = None) -> str:
 def check_reachable(uri: str) -> None:
     if not uri.startswith(("http://", "https://")):
         return
-    import httpx
+    import requests  # MLflow's own HTTP client, already loaded
 
     try:
-        httpx.get(uri.rstrip("/") + "/health", timeout=10.0)
-    except httpx.HTTPError as e:
+        requests.get(uri.rstrip("/") + "/health", timeout=10.0)
+    except requests.RequestException as e:
         raise ServerUnavailable(
             f"the MLflow tracking server at {uri} is unreachable ({type(e).__name__}). Start it, or point "
             "MLFLOW_TRACKING_URI at a running server (unset it to use the local sqlite store)"

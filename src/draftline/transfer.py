@@ -36,10 +36,13 @@ from draftline.util import atomic_write_text, file_sha256
 
 CHECKSUMS = "checksums.json"
 _CHUNK = 8 << 20
+_POLL_S = 0.02
 
 
 class _GrowingFileHasher(threading.Thread):
-    """sha256 of a file that another thread is still writing, read as it grows (from the page cache)."""
+    """sha256 of a file that another thread is still writing, read as it grows (from the page cache). It
+    waits ``_POLL_S`` between reads that find nothing new: a shorter wait costs a fleet of pullers sharing a
+    few cores more in system calls than the hashing itself."""
 
     def __init__(self, path: Path, on_bytes=None):
         super().__init__(daemon=True)
@@ -49,7 +52,7 @@ class _GrowingFileHasher(threading.Thread):
     def run(self) -> None:
         h = hashlib.sha256()
         while not self.path.exists() and not self.done.is_set():
-            time.sleep(0.002)
+            time.sleep(_POLL_S)
         with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as f:
             while True:
                 block = f.read(_CHUNK)
@@ -64,30 +67,38 @@ class _GrowingFileHasher(threading.Thread):
                     self.size += len(block)
                     self.on_bytes(len(block))
                 else:
-                    time.sleep(0.002)
+                    time.sleep(_POLL_S)
         self.digest = h.hexdigest()
 
 
-def download_verified(uri: str, name: str, digest: str, into: Path, on_bytes=None) -> Path:
-    """Download the artifact ``uri`` into ``into/<basename>`` and require its sha256 to be ``digest``."""
-    import mlflow
-
+def download_verified(repo, name: str, digest: str, into: Path, on_bytes=None) -> Path:
+    """Download the file ``name`` of the artifact repository ``repo`` into ``into/<basename>`` and require its
+    sha256 to be ``digest``. One GET: the repository's own single-file download (what its
+    ``download_artifacts`` calls after listing the path to learn it is a file, a request a pull that knows its
+    files does not need)."""
     target = into / PurePosixPath(name).name
     hasher = _GrowingFileHasher(target, on_bytes)
     hasher.start()
     try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(into)))
+        repo._download_file(remote_file_path=name, local_path=str(target))
     finally:
         hasher.done.set()
         hasher.join()
-    got = hasher.digest if local == target and hasher.size == local.stat().st_size else None
+    got = hasher.digest if hasher.size == target.stat().st_size else None
     if got != digest:  # a store that writes out of order or renames at the end: hash the file once more
-        got = file_sha256(local)
+        got = file_sha256(target)
     if got != digest:
-        local.unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
         raise VerificationError(f"{name} arrived with sha256 {got[:12]}…, not the {digest[:12]}… that "
                                 f"{CHECKSUMS} names: the stored copy was altered or corrupted; refusing it")
-    return local
+    return target
+
+
+def artifact_repository(base_uri: str):
+    """MLflow's artifact repository for ``base_uri`` (any store MLflow supports)."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    return get_artifact_repository(base_uri)
 
 
 class BlobCache:
@@ -232,11 +243,13 @@ def manifest_digest_of(manifest: dict[str, str]) -> str:
 
 
 def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progress: bool = True,
-                    manifest_digest: str | None = None) -> dict:
+                    manifest_digest: str | None = None, manifest: dict | None = None) -> dict:
     """Assemble the export at ``base_uri`` into ``dest``, every file verified; returns what was transferred.
 
     With ``manifest_digest`` (the version's ``export.sha256`` tag, set by the registry at export time),
     ``checksums.json`` itself must match it, so rewriting a file and its checksum in the store is caught too.
+    ``manifest`` (the version's ``export.checksums`` tag) saves reading ``checksums.json`` from the store; it
+    must match ``manifest_digest`` just the same, and is what DEST's ``checksums.json`` holds.
     ``dest`` is replaced only once everything is in place; on any failure it is left as it was.
     """
 
@@ -255,7 +268,11 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
     with tempfile.TemporaryDirectory(prefix=scratch_prefix(f".{dest.name}.partial-"), dir=dest.parent) as staging, \
             _quiet_mlflow():
         staging = Path(staging)
-        manifest = retrying(f"download {CHECKSUMS} of {base_uri}", lambda: _read_manifest(base_uri, staging))
+        repo = artifact_repository(base_uri)
+        if manifest is None or not manifest_digest:
+            manifest = retrying(f"download {CHECKSUMS} of {base_uri}", lambda: _read_manifest(base_uri, staging))
+        else:
+            atomic_write_text(staging / CHECKSUMS, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if not isinstance(manifest, dict):
             raise VerificationError(f"{CHECKSUMS} of {base_uri} is not a mapping of file: sha256")
         if manifest_digest and manifest_digest_of(manifest) != manifest_digest:
@@ -277,7 +294,7 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
         with ThreadPoolExecutor(4, thread_name_prefix="draftline-pull") as pool, \
                 tqdm(desc="pull (sha256 while downloading)", unit="B", unit_scale=True, **bar_kwargs(progress and bool(todo)),
                      file=sys.stderr) as bar:
-            for size in pool.map(lambda item: _fetch_one(base_uri, *item, staging, cache, bar.update), todo):
+            for size in pool.map(lambda item: _fetch_one(repo, base_uri, *item, staging, cache, bar.update), todo):
                 stats["downloaded_bytes"] += size
         stats["files"] = len(manifest)
         _install(staging, dest)
@@ -301,13 +318,14 @@ def _read_manifest(base_uri: str, staging: Path) -> dict:
                                 f"({str(e).splitlines()[0]})") from None
 
 
-def _fetch_one(base_uri: str, name: str, digest: str, staging: Path, cache: BlobCache | None, on_bytes) -> int:
+def _fetch_one(repo, base_uri: str, name: str, digest: str, staging: Path, cache: BlobCache | None,
+               on_bytes) -> int:
     target = staging / name
     target.parent.mkdir(parents=True, exist_ok=True)
     with cache.scratch() if cache else tempfile.TemporaryDirectory(prefix=".incoming-", dir=staging) as tmp:
         # a download cut off by a server restart is tried again from the start, in a folder of its own
         local = retrying(f"download {name} from {base_uri}", lambda: download_verified(
-            f"{base_uri}/{name}", name, digest, Path(tempfile.mkdtemp(dir=tmp)), on_bytes))
+            repo, name, digest, Path(tempfile.mkdtemp(dir=tmp)), on_bytes))
         size = local.stat().st_size
         if cache:  # the verified download goes into the destination; the cache gets a copy of its own
             shutil.copyfile(local, target)

@@ -170,3 +170,43 @@ def test_scratch_left_by_a_killed_puller_is_swept_by_the_next_pull(store, tmp_pa
         alive.kill()
         alive.wait()
     assert sorted(p.name for p in dest.iterdir()) == sorted([*FILES, CHECKSUMS])
+
+
+@pytest.mark.parametrize("store", ["server"], indirect=True)
+@pytest.mark.parametrize("tagged", [True, False], ids=["today", "before-the-checksums-tag"])
+def test_a_pull_by_stage_asks_the_server_for_little_and_an_older_version_still_pulls(store, tmp_path, monkeypatch,
+                                                                                      tagged):
+    """A fleet restarting together pays per request: the alias, then one GET per file (the file list comes from
+    the version's tag). A version exported before that tag reads checksums.json from the store instead."""
+    import requests
+    from mlflow import MlflowClient
+
+    from draftline import registry
+    from draftline.promotion import promote
+    from draftline.transfer import manifest_digest_of
+
+    monkeypatch.setenv("DRAFTLINE_REGISTRY_POLICIES", str(tmp_path / "policies"))
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "production.yaml").write_text("stage: Production\nexport_validated: false\n")
+    files = {**FILES, "config.json": b'{"speculators_config": {"verifier": {"name_or_path": "org/v"}}}'}
+    manifest = sha256_manifest_of(files)
+    client, name = MlflowClient(), f"few-{tagged}"
+    client.create_registered_model(name)
+    tags = {"export.sha256": manifest_digest_of(manifest), **(registry.checksums_tag(manifest) if tagged else {})}
+    source = _publish(tmp_path, files)
+    run_id = mlflow.last_active_run().info.run_id  # the run _publish logged the files in
+    mv = client.create_model_version(name, source, run_id=run_id, tags=tags)
+    promote(client, name, mv.version, "Production")
+
+    sent = []
+    send = requests.Session.send
+    monkeypatch.setattr(requests.Session, "send", lambda self, r, **kw: sent.append(r.path_url) or send(self, r, **kw))
+    out = registry.pull(client, name, stage="Production", alias=None, version=None, dest=tmp_path / "pod")
+    assert out["version"] == mv.version and out["downloaded_bytes"] == sum(map(len, files.values()))
+    assert json.loads((tmp_path / "pod" / CHECKSUMS).read_text()) == manifest
+    downloads = [p for p in sent if "/mlflow-artifacts/artifacts/" in p]
+    if tagged:
+        assert sorted(p.rsplit("/", 1)[1] for p in downloads) == sorted(files), sent
+        assert len(sent) - len(downloads) <= 2, sent  # the alias and MLflow's server-info, nothing else
+    else:
+        assert sorted(p.rsplit("/", 1)[1] for p in downloads) == sorted([*files, CHECKSUMS]), sent

@@ -32,6 +32,7 @@ def publish(client, name: str, versions: int, mib: int, root: Path) -> dict[str,
     checksums manifest}``."""
     import mlflow
 
+    from draftline.registry import checksums_tag
     from draftline.transfer import CHECKSUMS, manifest_digest_of
     from draftline.util import file_sha256
 
@@ -52,7 +53,8 @@ def publish(client, name: str, versions: int, mib: int, root: Path) -> dict[str,
         with mlflow.start_run() as run:
             mlflow.log_artifacts(str(d), "drafter")
         mv = client.create_model_version(name, f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id,
-                                         tags={**TAGS, "export.sha256": manifest_digest_of(manifest)})
+                                         tags={**TAGS, "export.sha256": manifest_digest_of(manifest),
+                                               **checksums_tag(manifest)})
         out[str(mv.version)] = manifest
     return out
 
@@ -132,15 +134,17 @@ class Pull:
             return None
 
 
-def start_pullers(n: int, name: str, root: Path, env: dict, *, shared: int) -> list[Pull]:
-    """``n`` processes of ``draftline pull NAME --stage Production --json``: the first ``shared`` share one
-    cache (pods on one node), the others have a cache each."""
+def start_pullers(n: int, name: str, root: Path, env: dict, *, shared: int, argv=None) -> list[Pull]:
+    """``n`` processes of ``draftline pull NAME --stage Production --json`` (or of ``argv(name, dest)``, with
+    the working directory's modules importable): the first ``shared`` share one cache (pods on one node), the
+    others have a cache each."""
     pulls = []
     for i in range(n):
         cache = root / "cache-shared" if i < shared else root / f"cache-{i}"
         dest = root / f"pod-{i}" / "drafter"
-        proc = subprocess.Popen([sys.executable, "-m", "draftline.cli", "pull", name, "--stage", "Production",
-                                 "--dest", str(dest), "--json"], env={**env, "DRAFTLINE_CACHE_DIR": str(cache)},
+        cmd = argv(name, dest) if argv else [sys.executable, "-m", "draftline.cli", "pull", name, "--stage",
+                                             "Production", "--dest", str(dest), "--json"]
+        proc = subprocess.Popen(cmd, env={**env, "DRAFTLINE_CACHE_DIR": str(cache)},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         pulls.append(Pull(dest, cache, proc, time.time()))
     return pulls
