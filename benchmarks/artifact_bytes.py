@@ -45,10 +45,11 @@ def _nbytes(dims: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def run(shape: str = "real") -> dict:
     from benchmarks.common import AUX, SHAPES
-    from draftline import handoff, lineage
-    from draftline.checkpoints import VERIFIER_OWNED
     from draftline.config import FinetuneConfig
-    from draftline.plan import make_plan
+    from draftline.drafter import handoff
+    from draftline.drafter.checkpoints import VERIFIER_OWNED
+    from draftline.registry import lineage
+    from draftline.train.plan import make_plan
 
     layout = drafter_tensors(shape)
     kept = {k: v for k, v in layout.items() if k not in VERIFIER_OWNED}

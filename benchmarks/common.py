@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from draftline.drafter_shape import KIMI_K2
+from draftline.drafter.shape import KIMI_K2
 
 SHAPES = {
     # the tiny one the tests use: hidden, intermediate, heads, kv heads, head_dim, target and draft vocab
@@ -19,7 +19,7 @@ AUX = KIMI_K2["aux_layer_ids"]
 def drafter_config(shape: str, attn: str = "sdpa"):
     """The speculators config of the shape: one Llama layer, as ``draftline plan`` builds it; ``attn`` is the
     draft attention (``sdpa``, ``eager``, or ``simple_flex_attention``, speculators' default, which needs a GPU)."""
-    from draftline.drafter_shape import llama_drafter_config
+    from draftline.drafter.shape import llama_drafter_config
 
     s = SHAPES[shape]
     config = llama_drafter_config(s, draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=AUX)
@@ -64,7 +64,7 @@ def bench_model(shape: str, device, dtype=torch.bfloat16, init: bool = True, att
 
 def fake_batch(model, tokens: int, device, seed: int = 0, docs: int = 4) -> dict[str, torch.Tensor]:
     """``docs`` random samples packed as training packs them (shifted into vLLM's pairing): ``tokens`` in all."""
-    from draftline.train.model import pack
+    from draftline.drafter.model import pack
 
     g = torch.Generator().manual_seed(seed)
     h = model.hidden_size

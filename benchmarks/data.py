@@ -27,8 +27,8 @@ DEMO = ROOT / "configs" / "demo" / "conversations.jsonl"
 def _loader_tok_s(data_dir: Path, tokens_per_batch: int, batches: int, cold: bool) -> float:
     from benchmarks.parent_load import drop_page_cache
     from draftline.data.shards import open_prepared
-    from draftline.train.batches import batches as batch_stream
-    from draftline.train.model import pack
+    from draftline.drafter.batches import batches as batch_stream
+    from draftline.drafter.model import pack
 
     if cold:
         drop_page_cache()
@@ -64,10 +64,10 @@ def run(tokens_per_batch: int = 2048, real_tokens: int = 16384) -> dict:
     from draftline.config import PrepareConfig
     from draftline.data.prepare import build_data
     from draftline.data.shards import open_prepared
+    from draftline.drafter.batches import batches as batch_stream
+    from draftline.drafter.model import build_draft_model, forward, loss_config, pack, trainable_parameters
+    from draftline.drafter.vocab import build_vocab
     from draftline.testing.tiny import make_tiny
-    from draftline.train.batches import batches as batch_stream
-    from draftline.train.model import build_draft_model, forward, loss_config, pack, trainable_parameters
-    from draftline.vocab import build_vocab
 
     with tempfile.TemporaryDirectory(prefix="draftline-bench-data-") as tmp:
         tmp = Path(tmp)

@@ -40,7 +40,7 @@ def run(counts=(1, 8, 32), mib: int = 16, versions: int = 4, every_s: float = 0.
     from mlflow import MlflowClient
     from mlflow.server import get_app_client
 
-    from draftline.promotion import promote
+    from draftline.registry.promotion import promote
     from draftline.testing import fleet
     from draftline.testing.localserver import basic_auth, start_mlflow_server, stop
     from draftline.testing.postgres import start_postgres
@@ -127,7 +127,7 @@ def _version_of(dest: Path, manifests: dict) -> str | None:
 
 
 def _round(client, uri: str, manifests: dict, n: int, root: Path, every_s: float, kind: str = "draftline") -> dict:
-    from draftline.promotion import holders
+    from draftline.registry.promotion import holders
     from draftline.testing import fleet
 
     first = holders(client, "fleet")["Production"]

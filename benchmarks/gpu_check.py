@@ -122,7 +122,7 @@ def part_train_step(shape: str) -> dict:
     need("deepspeed", "speculators.models.eagle3")
     from benchmarks.common import SHAPES, drafter_config
     from benchmarks.train_step import run
-    from draftline.plan import make_plan
+    from draftline.train.plan import make_plan
 
     size = SIZES[shape]
     result = run(shape=shape, tokens=size["tokens"], iters=size["iters"], warmup=1, stages=(2, 3), rounds=3)
@@ -139,7 +139,7 @@ def part_train_step(shape: str) -> dict:
                 v["peak_over_plan"] = v["peak_gpu_mem_gib"] / v["plan_gib"]
     result["model_flops_per_step"] = flops
     result["peak_tflops"] = PEAK_TFLOPS
-    result["plan"] = {"gpus": 1, "source": "draftline plan (src/draftline/plan.py), bf16, sdpa, ttt 3",
+    result["plan"] = {"gpus": 1, "source": "draftline plan (src/draftline/train/plan.py), bf16, sdpa, ttt 3",
                       "stages": {k: {"total_gib": st["total"] / 2**30, "activations_gib": st["activations"] / 2**30}
                                  for k, st in plan["stages"].items()}}
     return result
@@ -150,8 +150,8 @@ def part_attention(shape: str) -> dict:
     import torch
 
     from benchmarks.common import SHAPES, bench_model, drafter_config, fake_batch
-    from draftline.plan import make_plan
-    from draftline.train.model import forward, loss_config
+    from draftline.drafter.model import forward, loss_config
+    from draftline.train.plan import make_plan
 
     cuda = _cuda()
     device = torch.device("cuda" if cuda else "cpu")
@@ -225,8 +225,8 @@ def part_finetune(shape: str, work: Path) -> dict:
 
     from mlflow import MlflowClient
 
-    from draftline import export
     from draftline.config import ExportConfig, FinetuneConfig
+    from draftline.export import stage as export
     from draftline.train import finetune
 
     cfg = FinetuneConfig(data=str(inputs["data"]), init=str(inputs["parent"]), steps=size["steps"], zero_stage=2,

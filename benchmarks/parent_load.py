@@ -115,7 +115,7 @@ def child(mode: str, ckpt: str, shape: str) -> dict:
     from safetensors import safe_open
 
     from benchmarks.common import bench_model
-    from draftline.checkpoints import find_checkpoint, load_into_model
+    from draftline.drafter.checkpoints import find_checkpoint, load_into_model
 
     if mode == "floor":
         specs = aq_medai_state(shape)

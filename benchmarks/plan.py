@@ -22,7 +22,7 @@ def _row(s: dict) -> str:
 
 
 def run(gpus: int = 8, gpu_memory_gib: float = 180.0, tokens_per_batch: int = 4096, ttt_steps: int = 3) -> dict:
-    from draftline.plan import make_plan
+    from draftline.train.plan import make_plan
 
     t0 = time.perf_counter()
     make_plan(gpus=1, gpu_memory_gib=None)  # imports (speculators, DeepSpeed) once

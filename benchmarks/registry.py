@@ -50,8 +50,8 @@ def run(shape: str = "real", reps: int = 2) -> dict:
     import mlflow
     from mlflow import MlflowClient
 
-    from draftline import registry
-    from draftline.export import CHECKSUMS, upload_with_checksums
+    from draftline.export.stage import CHECKSUMS, upload_with_checksums
+    from draftline.registry import versions
     from draftline.testing.localserver import start_mlflow_server, stop
 
     times: dict[str, list[float]] = {k: [] for k in
@@ -79,7 +79,7 @@ def run(shape: str = "real", reps: int = 2) -> dict:
                         logged = mlflow.initialize_logged_model(name="bench-drafter", source_run_id=r.info.run_id)
                         upload_with_checksums(src, logged.model_id)
                         mlflow.finalize_logged_model(logged.model_id, "READY")
-                        return registry.register(client, "bench-drafter", model_id=logged.model_id,
+                        return versions.register(client, "bench-drafter", model_id=logged.model_id,
                                                  run_id=r.info.run_id, tags={"bench": "1"}, description="benchmark")
 
                 holder: dict = {}
@@ -100,13 +100,13 @@ def run(shape: str = "real", reps: int = 2) -> dict:
 
                 def pull_cold():
                     shutil.rmtree(tmp / "cache", ignore_errors=True)
-                    registry.pull(client, "bench-drafter", stage=None, alias=None, version=str(version),
+                    versions.pull(client, "bench-drafter", stage=None, alias=None, version=str(version),
                                   dest=tmp / "dl-cold")
 
                 second = [("mlflow_download", mlflow_download), ("pull_cold", pull_cold)]
                 for name, fn in (second if rep % 2 == 0 else second[::-1]):
                     times[name].append(_timed(fn))
-                times["pull_warm"].append(_timed(lambda: registry.pull(
+                times["pull_warm"].append(_timed(lambda: versions.pull(
                     client, "bench-drafter", stage=None, alias=None, version=str(version), dest=tmp / "dl-warm")))
                 times["cp"].append(_timed(lambda: subprocess.run(["cp", "-r", str(src), str(tmp / "dl-cp")],
                                                                  check=True)))

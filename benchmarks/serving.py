@@ -31,7 +31,7 @@ def _setup(shape: str, tmp: Path, drafter_dir: str | None, prompts_n: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftline.data.conversations import load_conversations
-    from draftline.evaluation.drafter import load_drafter
+    from draftline.drafter.loading import load_drafter
     from draftline.testing import greedy
 
     if shape == "tiny":
@@ -47,7 +47,7 @@ def _setup(shape: str, tmp: Path, drafter_dir: str | None, prompts_n: int):
         samples = [{"id": s["id"], "messages": s["messages"][:1]}
                    for s in load_conversations(DEMO).samples[64:64 + prompts_n]]
         return verifier, tok, model, drafter, held_out, samples
-    from draftline.verifiers import make_verifier
+    from draftline.serving.verifiers import make_verifier
 
     if not drafter_dir:
         raise SystemExit("--shape smollm2 needs --drafter DIR (a pulled version, or the real tier's parent)")

@@ -17,7 +17,7 @@ from benchmarks.common import bench_model, fake_batch
 
 
 def _bare_step(model, batch, ttt, cfg):
-    from draftline.train.model import forward, trainable_parameters
+    from draftline.drafter.model import forward, trainable_parameters
 
     params = trainable_parameters(model)
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
@@ -35,8 +35,8 @@ def _ds_step(model, batch, ttt, cfg, stage):
     import deepspeed
 
     from draftline.config import FinetuneConfig
+    from draftline.drafter.model import forward, trainable_parameters
     from draftline.train.finetune import ds_config
-    from draftline.train.model import forward, trainable_parameters
 
     conf = ds_config(FinetuneConfig(data="-", zero_stage=stage, steps=10_000, lr=1e-4))
     if stage == 3:
@@ -71,7 +71,7 @@ def run(shape: str = "tiny", tokens: int = 512, iters: int = 8, warmup: int = 2,
     over rounds, and a ratio whose spread includes 1.0 is reported as not distinguishable from bare."""
     import deepspeed
 
-    from draftline.train.model import loss_config
+    from draftline.drafter.model import loss_config
 
     cuda = torch.cuda.is_available()
     if not cuda:

@@ -96,12 +96,11 @@ def run_real(summary: str | None = None, metrics=("full_acc_0", "acceptance_leng
 def run_tiny(steps: int = 150, every: int = 10, metric: str = "full_acc_0", parent_steps: int = 600) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftline.checkpoints import find_checkpoint, load_into_model, read_tensors
     from draftline.data.capture import capture_hidden_states
     from draftline.data.conversations import load_conversations
     from draftline.data.tokenize import tokenize_conversations
-    from draftline.testing.tiny import make_tiny
-    from draftline.train.model import (
+    from draftline.drafter.checkpoints import find_checkpoint, load_into_model, read_tensors
+    from draftline.drafter.model import (
         accumulate,
         build_draft_model,
         forward,
@@ -110,6 +109,7 @@ def run_tiny(steps: int = 150, every: int = 10, metric: str = "full_acc_0", pare
         summarise,
         train_steps_in_process,
     )
+    from draftline.testing.tiny import make_tiny
     from draftline.train.worker import split_validation
 
     demo = ROOT / "configs" / "demo" / "conversations.jsonl"

@@ -1,7 +1,8 @@
-"""Three small helpers every stage uses, each written once: an atomic write, a file's sha256, a free port."""
+"""Small helpers every stage uses, each written once: an atomic write, a file's sha256, a free port, a lock."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -35,3 +36,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def exclusive(lock_file: Path, *, busy: str):
+    """One writer at a time: hold ``lock_file`` (created if needed, an exclusive non-blocking ``flock``) for
+    the block; raise :class:`DataError` ``busy`` if another process holds it. The kernel releases it when the
+    holder dies, even by ``kill -9``."""
+    import fcntl
+
+    from draftline.errors import DataError
+
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataError(busy) from None
+        yield

@@ -21,7 +21,7 @@ def test_read_user_pulls_but_cannot_promote(workspace, server, request, monkeypa
     from mlflow import MlflowClient
     from mlflow.server import get_app_client
 
-    from draftline.export import CHECKSUMS, export_digest, sha256_manifest
+    from draftline.export.stage import CHECKSUMS, export_digest, sha256_manifest
 
     auth_server = request.getfixturevalue(server)
 

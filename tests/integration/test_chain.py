@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
-from draftline.checkpoints import find_checkpoint, sha256_files
 from draftline.cli import cli
+from draftline.drafter.checkpoints import find_checkpoint, sha256_files
 
 from ..conftest import DEMO
 
@@ -77,7 +77,7 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert mv.tags["finetune.run_id"] == ft["run_id"] and mv.tags["data.digest"] == prep["digest"]
     assert "draftline/tiny-parent" in mv.description
     # the version comes from the drafter's LoggedModel: lineage as its params, the finetune metrics on it
-    from draftline.registry import model_id_of
+    from draftline.registry.versions import model_id_of
 
     assert mv.source == f"models:/{model_id_of(mv)}"
     logged = client.get_logged_model(model_id_of(mv))

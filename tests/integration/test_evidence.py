@@ -72,7 +72,7 @@ def test_promotion_on_evidence(server_workspace, tiny):
 
     # what the registry's compare-versions view shows: the version's model carries the evaluation, linked
     # to the evaluation data set; the recommended num_speculative_tokens went into the exported config
-    from draftline.registry import model_id_of
+    from draftline.registry.versions import model_id_of
 
     mv = client.get_model_version("ev-drafter", v1)
     metrics = {m.key: m for m in client.get_logged_model(model_id_of(mv)).metrics}

@@ -180,7 +180,7 @@ def test_a_full_disk_during_export_is_one_error_and_leaves_nothing_behind(pipeli
 ])
 def test_out_of_room_reads_the_errno_wherever_a_library_put_it(raised, found):
     from draftline.errors import DataError
-    from draftline.export import out_of_room
+    from draftline.export.stage import out_of_room
 
     assert out_of_room(raised) == found
     try:  # MLflow's download report, wrapped `from None` by draftline.tracking.download
@@ -284,7 +284,7 @@ def test_credentials_reach_no_param_tag_artifact_version_or_log(pipeline, client
     assert {w.split(" (")[0] for w in corpus if w.startswith("draftline ")} >= {
         "draftline prepare", "draftline finetune", "draftline export"}
     assert f"run {pipeline.ft['run_id']} artifact weights/selection.json" in corpus  # the handed-on weights
-    from draftline.registry import model_id_of
+    from draftline.registry.versions import model_id_of
 
     drafter = model_id_of(client.get_model_version("faults-drafter", ex["version"]))
     assert f"model {drafter} artifact model.safetensors" in corpus

@@ -42,7 +42,7 @@ def test_eight_pods_pull_production_while_it_moves(team_server, monkeypatch, tmp
     client = MlflowClient()
     name = "fleet"
     manifests = fleet.publish(client, name, versions=4, mib=4, root=tmp_path / "exports")
-    from draftline.promotion import promote
+    from draftline.registry.promotion import promote
 
     promote(client, name, "1", "Production")
     pod = _pod_user(team_server)  # the pods pull with their own READ account
@@ -111,7 +111,7 @@ def test_a_server_restarted_mid_pull_and_mid_promotion(restartable, monkeypatch,
     client = MlflowClient()
     name = "restarted"
     manifests = fleet.publish(client, name, versions=2, mib=96, root=tmp_path / "exports")
-    from draftline.promotion import promote
+    from draftline.registry.promotion import promote
 
     promote(client, name, "1", "Production")
     env = {**fleet.pull_env(uri), "DRAFTLINE_RETRY_S": "240"}

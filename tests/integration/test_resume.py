@@ -59,7 +59,7 @@ def test_kill_and_resume_continues_the_same_run(workspace, prepared):
     # the resumed weights are those of an uninterrupted run with the same seed
     straight = subprocess.run(_draftline("finetune", *flags), capture_output=True, text=True)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    from draftline.handoff import consolidate
+    from draftline.drafter.handoff import consolidate
 
     resumed = consolidate(Path("work") / run_id / "checkpoints")
     reference = consolidate(Path("work") / json.loads(straight.stdout)["run_id"] / "checkpoints")

@@ -32,9 +32,9 @@ def fp8_verifier(tiny, tmp_path: Path) -> Path:
 def export_for_fp8_verifier(tiny, tmp_path: Path, *, inherit_quantization: bool) -> Path:
     """A drafter for the FP8-configured tiny verifier, written by export's writer: with today's decoder-layer
     config, or (``inherit_quantization``) as exports were before, the verifier's quantization in its layer."""
-    from draftline.drafter_shape import layer_config
-    from draftline.export import write_drafter
-    from draftline.train.model import build_draft_model
+    from draftline.drafter.model import build_draft_model
+    from draftline.drafter.shape import layer_config
+    from draftline.export.stage import write_drafter
 
     verifier = fp8_verifier(tiny, tmp_path)
     n = json.loads((verifier / "config.json").read_text())["vocab_size"]

@@ -1,16 +1,55 @@
-"""The package's structure, held by a test (SpecForge's package-architecture test does the same): production
-modules never import the test kit (``draftline.testing``), and the import graph of ``src/draftline`` has no
-cycle. Every import counts, the ones inside functions included: a lazy import is still a dependency."""
+"""The package's structure, held by a test (SpecForge's package-architecture test does the same): imports go
+down the layers of ``docs/architecture.md`` and never up, production modules never import the test kit
+(``draftline.testing``), and the import graph of ``src/draftline`` has no cycle. Every import counts, the ones
+inside functions included: a lazy import is still a dependency."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 TEST_KIT = "draftline.testing"
 # The one production module allowed to reach the test kit: the CLI's `make-tiny` command builds the demo.
 MAY_IMPORT_TEST_KIT = {"draftline.cli.stages"}
+
+
+def layers(doc: Path = ARCHITECTURE) -> list[tuple[str, list[str]]]:
+    """The table in docs/architecture.md, top layer first: ``[(layer, [components, lowest last])]``. A
+    component is a top-level module or package of ``draftline``."""
+    rows = re.findall(r"^\| \*\*(\w+)\*\* \| (.+?) \|", doc.read_text(), re.M)
+    return [(layer, re.findall(r"`(\w+)`", cell)) for layer, cell in rows]
+
+
+def rank() -> dict[str, int]:
+    """Every component's height: higher may import lower, never the reverse (in a layer, the order of the
+    table's cell: a component may import those to its right)."""
+    order = [c for _, components in layers() for c in components]
+    return {c: len(order) - i for i, c in enumerate(order)}
+
+
+def component(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    heights = rank()
+    found = []
+    for mod, deps in graph.items():
+        mine = component(mod)
+        if mine == "testing" or not mine:
+            continue
+        for dep in deps:
+            theirs = component(dep)
+            if theirs == mine or theirs == "testing":  # within a component only cycles count; the kit: below
+                continue
+            if mine not in heights or theirs not in heights:
+                found.append(f"{mod} or {dep} is in no layer of docs/architecture.md")
+            elif heights[theirs] > heights[mine]:
+                found.append(f"{mod} imports {dep}: {theirs} is above {mine}")
+    return sorted(found)
 
 
 def module_name(path: Path, src: Path = SRC) -> str:
@@ -78,22 +117,43 @@ def test_production_modules_never_import_the_test_kit():
     assert not offenders, offenders
 
 
+def test_every_import_goes_down_the_layers():
+    assert {c for _, cs in layers() for c in cs} >= {component(m) for m in import_graph() if component(m)} - {"testing"}
+    offenders = upward_imports(import_graph())
+    assert not offenders, "\n".join(offenders)
+
+
 def test_the_import_graph_has_no_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("bad", ["cycle", "test kit"])
-def test_the_checks_catch_a_reintroduced_cycle_or_test_kit_import(tmp_path, bad):
+BAD = {  # the module a bad import is added to (inside a function: lazy imports count), and the import
+    "cycle": ("drafter/vocab.py", "from draftline.drafter.shape import layer_config", "drafter/shape.py",
+              "from draftline.drafter.vocab import choose"),
+    "test kit": ("export/stage.py", "from draftline.testing import tiny"),
+    "upward, shared -> stage": ("registry/promotion.py", "from draftline.evaluation.stage import run"),
+    "upward, stage -> later stage": ("data/prepare.py", "from draftline.train.finetune import run"),
+    "upward, foundation -> shared": ("config.py", "from draftline.registry import lineage"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_the_checks_catch_a_reintroduced_bad_import(tmp_path, bad):
     """The checks above, run on a copy of the package with one bad import added: they must fail."""
     import shutil
 
     shutil.copytree(SRC / "draftline", tmp_path / "draftline", symlinks=True)
-    target = tmp_path / "draftline" / ("vocab.py" if bad == "cycle" else "export.py")
-    extra = "from draftline.train.finetune import run\n" if bad == "cycle" else "from draftline.testing import tiny\n"
-    target.write_text(target.read_text() + "\n\ndef _added():\n    " + extra)
+    edits = BAD[bad]
+    for target, extra in zip(edits[::2], edits[1::2], strict=True):
+        path = tmp_path / "draftline" / target
+        path.write_text(path.read_text() + "\n\ndef _added():\n    " + extra + "\n")
     graph = import_graph(tmp_path)
     if bad == "cycle":
         assert find_cycle(graph) is not None
+    elif bad == "test kit":
+        assert "draftline.testing" in graph["draftline.export.stage"]
     else:
-        assert "draftline.testing" in graph["draftline.export"]
+        edited = "draftline." + edits[0].removesuffix(".py").replace("/", ".")
+        found = upward_imports(graph)
+        assert found and all(f.startswith(f"{edited} imports ") for f in found), found

@@ -4,7 +4,7 @@ from itertools import islice
 
 import torch
 
-from draftline.train.batches import batch_plan, batches
+from draftline.drafter.batches import batch_plan, batches
 
 
 def _records(n=37):
@@ -31,7 +31,7 @@ def test_budget_ranks_and_resume():
 def test_prefetch_keeps_order_and_raises_the_producers_error():
     import pytest
 
-    from draftline.train.batches import prefetch
+    from draftline.drafter.batches import prefetch
 
     assert list(prefetch(iter(range(10)), depth=2)) == list(range(10))
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftline.drafter.loading import load_drafter
 from draftline.evaluation.chain import ChainResult, measure_chain, recommend_num_speculative_tokens
-from draftline.evaluation.drafter import load_drafter
 from draftline.evaluation.proposer import Eagle3Proposer
 from draftline.testing import greedy
 
@@ -50,7 +50,7 @@ def test_the_proposer_computes_what_speculators_trained(verifier, trained):
     """Step 0 over the verified pairs and each later step, fed the true tokens, give exactly the drafts of
     speculators' own (teacher-forced) forward, position by position, whether the proposer starts afresh or
     carries its KV cache from one round to the next."""
-    from draftline.train.model import pack
+    from draftline.drafter.model import pack
 
     model, _ = verifier
     drafter, held_out = trained

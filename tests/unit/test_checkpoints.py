@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftline.checkpoints import detect_layout, find_checkpoint, load_into_model, read_tensors
+from draftline.drafter.checkpoints import detect_layout, find_checkpoint, load_into_model, read_tensors
+from draftline.drafter.model import build_draft_model
 from draftline.errors import CheckpointError
-from draftline.train.model import build_draft_model
 
 
 def _model_for(parent_dir, verifier):

@@ -123,7 +123,7 @@ def test_shipped_configs_validate():
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     from draftline.config import FinetuneConfig
-    from draftline.parents import load_catalog
+    from draftline.drafter.parents import load_catalog
     from draftline.train.finetune import ds_config
 
     assert {"aq-medai", "tiny"} <= set(load_catalog())
@@ -136,7 +136,7 @@ def test_shipped_configs_validate():
 
 def test_shipped_policies_validate_and_a_typo_is_refused(tmp_path):
     from draftline.errors import ConfigError
-    from draftline.policies import load_policy, policy_path
+    from draftline.registry.policies import load_policy, policy_path
 
     assert load_policy(policy_path("Staging")).stage == "Staging"
     assert load_policy(policy_path("Production")).not_worse_than_current.margin == 0.02
@@ -173,8 +173,8 @@ def test_a_missing_required_setting_is_a_usage_error_unless_the_config_file_has_
 
 
 def test_a_catalog_name_typo_gets_did_you_mean(tmp_path, monkeypatch):
+    from draftline.drafter.parents import resolve_init
     from draftline.errors import ParentNotFound
-    from draftline.parents import resolve_init
 
     catalog = tmp_path / "parents.yaml"
     catalog.write_text("parents:\n  aq-medai: {source: AQ-MedAI/Kimi-K2-Instruct-eagle3}\n"

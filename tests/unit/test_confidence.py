@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from draftline.evaluation.confidence import acceptance_interval, paired_difference, prompt_key
-from draftline.evaluation.results import MEASURED, Evaluation, Evidence
-from draftline.policies import Comparison, EvaluationRule, Policy, _compare_evaluations
+from draftline.registry.confidence import acceptance_interval, paired_difference, prompt_key
+from draftline.registry.evidence import MEASURED, Evaluation, Evidence
+from draftline.registry.policies import Comparison, EvaluationRule, Policy, _compare_evaluations
 
 PROMPTS = 32
 
@@ -43,7 +43,7 @@ def gate(child: list[dict], parent: list[dict], confidence: float | None, seed: 
     cmp_ = Comparison(metric="eval/acceptance_length", margin=0.0, confidence=confidence)
     ev, theirs = evaluation(child), evaluation(parent)
     if confidence is not None:
-        from draftline.evaluation import confidence as conf
+        from draftline.registry import confidence as conf
 
         diff = conf.paired_difference(child, parent, level=confidence, seed=seed)
         return diff.low >= -cmp_.margin

@@ -150,7 +150,7 @@ def test_a_new_pull_folder_is_made_as_mkdir_would_make_it(tiny, tmp_path):
     import os
     import stat
 
-    from draftline.transfer import fetch_directory
+    from draftline.registry.transfer import fetch_directory
 
     drafter = _exported(tiny, tmp_path, pad_mib=0)
     old = os.umask(0o022)

@@ -8,15 +8,15 @@ import yaml
 from click.testing import CliRunner
 
 from draftline.cli import _settings, cli
+from draftline.cli.mlproject import STAGES, default_of, render
 from draftline.config import FinetuneConfig, PrepareConfig
-from draftline.mlproject import STAGES, default_of, render
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_mlproject_is_generated_from_the_settings_and_declares_every_one():
     text = (ROOT / "MLproject").read_text()
-    assert text == render(), "MLproject is stale: run `python -m draftline.mlproject > MLproject`"
+    assert text == render(), "MLproject is stale: run `python -m draftline.cli.mlproject > MLproject`"
     entry_points = yaml.safe_load(text)["entry_points"]
     for name, model in STAGES.items():
         params = entry_points[name]["parameters"]

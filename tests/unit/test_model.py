@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from draftline.drafter_shape import layer_config
-from draftline.train.model import build_draft_model
+from draftline.drafter.model import build_draft_model
+from draftline.drafter.shape import layer_config
 
 
 @pytest.fixture(scope="module")

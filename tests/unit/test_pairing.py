@@ -8,7 +8,7 @@ import torch
 from speculators.models.eagle3 import shift_batch
 
 from draftline.data.shards import open_prepared
-from draftline.train.model import (
+from draftline.drafter.model import (
     accumulate,
     build_draft_model,
     forward,
@@ -97,7 +97,7 @@ def test_a_drafter_trained_by_draftline_scores_higher_in_vllms_pairing(tiny, pre
 
 
 def build_vocab_for(data):
-    from draftline.vocab import build_vocab
+    from draftline.drafter.vocab import build_vocab
 
     return build_vocab(data.token_freqs(), 256)
 
@@ -106,7 +106,7 @@ def test_validation_on_fewer_chunks_than_ranks_gives_every_rank_the_same_metrics
     """A validation set of one chunk on two ranks: rank 1 only runs the surplus forward. Its sums must carry the
     same keys (zeros) as rank 0's, or the ranks all-reduce tensors of different lengths and hang (found by
     demo_real.sh: a parent finetune with 3 held-out samples stopped at step 0)."""
-    from draftline.train.model import metric_sums
+    from draftline.drafter.model import metric_sums
 
     data = open_prepared(prepared)
     one_chunk = data.records()[:2]

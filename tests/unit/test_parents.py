@@ -2,8 +2,8 @@
 
 import pytest
 
+from draftline.drafter.parents import load_catalog, resolve_init
 from draftline.errors import ConfigError, ParentNotFound
-from draftline.parents import load_catalog, resolve_init
 
 
 def test_random_and_directory(tiny):

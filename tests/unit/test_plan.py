@@ -8,8 +8,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from draftline import drafter_shape, plan
 from draftline.cli import cli
+from draftline.drafter import shape as drafter_shape
+from draftline.train import plan
 
 GIB = 1 << 30
 # The Kimi-K2 drafter, by hand: hidden 7168, 64 heads x 128, intermediate 18432, 3 aux layers, vocab 163840/32000
@@ -77,7 +78,7 @@ def test_activation_estimate_matches_what_autograd_saves():
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    from draftline.train.model import loss_config
+    from draftline.drafter.model import loss_config
 
     h, v, dv, t, k = 256, 4096, 1024, 256, 3
     shape = dict(hidden_size=h, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2, head_dim=64,

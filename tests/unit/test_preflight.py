@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from benchmarks.parent_load import aq_medai_state
-from draftline.checkpoints import find_checkpoint
 from draftline.cli import cli
-from draftline.drafter_shape import KIMI_K2, layer_config
+from draftline.drafter.checkpoints import find_checkpoint
+from draftline.drafter.shape import KIMI_K2, layer_config
 from draftline.errors import CheckpointError, DataError
 from draftline.train.preflight import preflight
 

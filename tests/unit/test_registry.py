@@ -18,7 +18,7 @@ EVAL_DIGEST = "ee" * 18  # the digest MLflow keeps for a data set (36 hex digits
 
 
 def evaluation_set(name="evaluation", digest=EVAL_DIGEST):
-    from draftline.lineage import data_set
+    from draftline.registry.lineage import data_set
 
     return data_set({"source": f"/data/{name}", "digest": digest}, name)
 
@@ -32,7 +32,7 @@ def evaluate_model(model_id, teacher_forced, measured=None, lossless=1.0, datase
     with mlflow.start_run():
         mlflow.log_metrics(metrics, step=0, model_id=model_id, dataset=dataset or evaluation_set())
         if measured is not None:  # per-prompt evidence: 16 prompts alike, 100 drafts each
-            from draftline.evaluation.confidence import PER_PROMPT_FILE, prompt_key
+            from draftline.registry.confidence import PER_PROMPT_FILE, prompt_key
 
             rows = [{"key": prompt_key([i]), "drafts": 100, "accepted": round((measured - 1) * 100),
                      "accepted_per_pos": [0, 0, 0], "generated": 100} for i in range(16)]

@@ -8,8 +8,8 @@ import mlflow
 import pytest
 
 from draftline.errors import VerificationError
-from draftline.export import CHECKSUMS, sha256_manifest
-from draftline.transfer import BlobCache, fetch_directory
+from draftline.export.stage import CHECKSUMS, sha256_manifest
+from draftline.registry.transfer import BlobCache, fetch_directory
 
 
 @pytest.fixture(params=["sqlite", "server"])
@@ -85,7 +85,7 @@ def test_a_cached_blob_edited_in_place_with_its_size_and_mtime_kept_is_caught(st
 
 def test_verify_only_rehashes_a_pulled_directory(tmp_path, store):
     from draftline.errors import VerificationError
-    from draftline.transfer import verify_directory
+    from draftline.registry.transfer import verify_directory
 
     uri = _publish(tmp_path, FILES)
     fetch_directory(uri, tmp_path / "pod", cache=BlobCache())
@@ -126,7 +126,7 @@ def sha256_manifest_of(files: dict[str, bytes]) -> dict[str, str]:
 
 
 def test_a_file_rewritten_together_with_its_checksum_is_caught_by_the_registry_digest(store, tmp_path):
-    from draftline.transfer import manifest_digest_of
+    from draftline.registry.transfer import manifest_digest_of
 
     recorded = manifest_digest_of(sha256_manifest_of(FILES))  # what export tagged the version with
     forged = {**FILES, "model.safetensors": b"other weights"}
@@ -181,9 +181,9 @@ def test_a_pull_by_stage_asks_the_server_for_little_and_an_older_version_still_p
     import requests
     from mlflow import MlflowClient
 
-    from draftline import registry
-    from draftline.promotion import promote
-    from draftline.transfer import manifest_digest_of
+    from draftline.registry import versions
+    from draftline.registry.promotion import promote
+    from draftline.registry.transfer import manifest_digest_of
 
     monkeypatch.setenv("DRAFTLINE_REGISTRY_POLICIES", str(tmp_path / "policies"))
     (tmp_path / "policies").mkdir()
@@ -192,7 +192,7 @@ def test_a_pull_by_stage_asks_the_server_for_little_and_an_older_version_still_p
     manifest = sha256_manifest_of(files)
     client, name = MlflowClient(), f"few-{tagged}"
     client.create_registered_model(name)
-    tags = {"export.sha256": manifest_digest_of(manifest), **(registry.checksums_tag(manifest) if tagged else {})}
+    tags = {"export.sha256": manifest_digest_of(manifest), **(versions.checksums_tag(manifest) if tagged else {})}
     source = _publish(tmp_path, files)
     run_id = mlflow.last_active_run().info.run_id  # the run _publish logged the files in
     mv = client.create_model_version(name, source, run_id=run_id, tags=tags)
@@ -201,7 +201,7 @@ def test_a_pull_by_stage_asks_the_server_for_little_and_an_older_version_still_p
     sent = []
     send = requests.Session.send
     monkeypatch.setattr(requests.Session, "send", lambda self, r, **kw: sent.append(r.path_url) or send(self, r, **kw))
-    out = registry.pull(client, name, stage="Production", alias=None, version=None, dest=tmp_path / "pod")
+    out = versions.pull(client, name, stage="Production", alias=None, version=None, dest=tmp_path / "pod")
     assert out["version"] == mv.version and out["downloaded_bytes"] == sum(map(len, files.values()))
     assert json.loads((tmp_path / "pod" / CHECKSUMS).read_text()) == manifest
     downloads = [p for p in sent if "/mlflow-artifacts/artifacts/" in p]

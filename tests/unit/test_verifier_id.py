@@ -6,8 +6,8 @@ import pytest
 
 from draftline.config import ExportConfig
 from draftline.errors import DataError
-from draftline.export import serving_id
-from draftline.lineage import VERIFIER_IDENTITY_FILE, verifier_identity
+from draftline.export.stage import serving_id
+from draftline.registry.lineage import VERIFIER_IDENTITY_FILE, verifier_identity
 
 
 def test_the_id_comes_from_the_flag_the_hf_cache_the_name_given_or_the_config(tmp_path):

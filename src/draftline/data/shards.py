@@ -50,7 +50,7 @@ PROGRESS = "progress.json"
 
 def exclusive(out_dir: Path):
     """Hold ``out_dir/.lock``: one prepare writes a data directory at a time."""
-    from draftline.locks import exclusive as lock
+    from draftline.util import exclusive as lock
 
     return lock(out_dir / ".lock", busy=f"another prepare is writing {out_dir}; wait for it or choose another "
                                        "--output-dir")

@@ -244,7 +244,7 @@ def measure_chain(verifier, drafter, prompts: list[list[int]], *, k: int, max_ne
 
 def prompt_row(prompt: list[int], drafts: int, accepted: int, accepted_per_pos: list[int], generated: int) -> dict:
     """One prompt's evidence (``per_prompt.jsonl``): what later comparisons pair prompt by prompt."""
-    from draftline.evaluation.confidence import prompt_key
+    from draftline.registry.confidence import prompt_key
 
     return {"key": prompt_key(prompt), "drafts": drafts, "accepted": accepted,
             "accepted_per_pos": list(accepted_per_pos), "generated": generated}

@@ -23,7 +23,7 @@ import torch
 from draftline.config import EvaluateConfig, work_dir
 from draftline.console import say
 from draftline.errors import DataError
-from draftline.evaluation import results
+from draftline.registry import evidence
 
 log = logging.getLogger(__name__)
 TARGET_RUN_TAG = "draftline.evaluate.target_run"  # the finetune run evaluated (export finds its evaluations)
@@ -92,12 +92,13 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     """Evaluate ``cfg.target`` on ``cfg.data``; returns the headline numbers and the run id."""
     import mlflow
 
-    from draftline import lineage, tracking
+    from draftline import tracking
     from draftline.data.refs import dataset_name, resolve_data
     from draftline.data.shards import open_prepared
     from draftline.evaluation.chain import recommend_num_speculative_tokens
     from draftline.evaluation.targets import load_drafter, resolve_target
     from draftline.evaluation.teacher_forced import measure
+    from draftline.registry import lineage
 
     progress = sys.stderr.isatty() if progress is None else progress
     tracking.setup()
@@ -126,7 +127,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
         metrics.update({f"eval/measured/{k}": v for k, v in chain.metrics().items()})
         metrics["eval/measured/prompts"] = float(n_prompts)
         if chain.per_prompt:
-            from draftline.evaluation.confidence import acceptance_interval
+            from draftline.registry.confidence import acceptance_interval
 
             interval = acceptance_interval(chain.per_prompt, level=cfg.confidence)
             metrics.update({"eval/measured/acceptance_length_low": interval.low,
@@ -135,7 +136,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
             say(f"[draftline] measured {interval.text()} on {interval.n} prompts ({cfg.confidence:.0%} interval, "
                 f"width {interval.width:.2f}; {backend})")
         recommended = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
-        metrics[results.RECOMMENDED_K] = float(recommended)
+        metrics[evidence.RECOMMENDED_K] = float(recommended)
         if chain.mismatches:
             first = chain.mismatches[0]
             print(f"[draftline] BUG: speculative decoding changed the output on {len(chain.mismatches)} of "
@@ -170,7 +171,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
             (Path(tmp) / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
             mlflow.log_artifact(str(Path(tmp) / RESULT_FILE))
             if chain is not None and chain.per_prompt:  # what a later comparison pairs prompt by prompt
-                from draftline.evaluation.confidence import PER_PROMPT_FILE
+                from draftline.registry.confidence import PER_PROMPT_FILE
 
                 (Path(tmp) / PER_PROMPT_FILE).write_text("".join(json.dumps(r) + "\n" for r in chain.per_prompt))
                 mlflow.log_artifact(str(Path(tmp) / PER_PROMPT_FILE))
@@ -181,7 +182,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
                     "acceptance_rate_per_position": [round(r, 4) for r in chain.per_position_rates],
                     "lossless": chain.lossless if chain.lossless_checked else None, "prompts": n_prompts,
                     "backend": backend,
-                    "recommended_num_speculative_tokens": int(metrics[results.RECOMMENDED_K])})
+                    "recommended_num_speculative_tokens": int(metrics[evidence.RECOMMENDED_K])})
         if cross is not None:
             out["inprocess_acceptance_length"] = round(cross.acceptance_length, 4)
         if interval is not None:
@@ -217,8 +218,8 @@ def attach(found: list[dict], model_id: str) -> None:
     """Log ``found`` evaluations onto LoggedModel ``model_id``, each linked to its evaluation set."""
     import mlflow
 
-    from draftline import lineage
-    from draftline.evaluation.confidence import carry_per_prompt
+    from draftline.registry import lineage
+    from draftline.registry.confidence import carry_per_prompt
 
     for result in found:
         d = result["data"]

@@ -53,11 +53,11 @@ def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str
     """Find ``ref`` on local disk (downloading from MLflow where it lives there)."""
     from mlflow import MlflowClient
 
-    from draftline import lineage
-    from draftline.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
-    from draftline.handoff import fetch_weights, write_weights
-    from draftline.parents import resolve_init
-    from draftline.train.model import LAYER_FILE
+    from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
+    from draftline.drafter.handoff import fetch_weights, write_weights
+    from draftline.drafter.model import LAYER_FILE
+    from draftline.drafter.parents import resolve_init
+    from draftline.registry import lineage
 
     client = MlflowClient()
     run = _finetune_run(client, ref.strip())
@@ -92,7 +92,7 @@ def load_drafter(target: Target, verifier: str, aux_layer_ids: list[int], *, ttt
                  dtype: torch.dtype = torch.float32):
     """Build the drafter for ``verifier`` and copy ``target``'s weights in (strict keys and shapes), the same
     path finetune loads a parent by."""
-    from draftline.evaluation.drafter import load_drafter as load
+    from draftline.drafter.loading import load_drafter as load
 
     return load(verifier, target.path, aux_layer_ids=aux_layer_ids, layer=target.layer, ttt_steps=ttt_steps,
                 dtype=dtype, name=target.name)

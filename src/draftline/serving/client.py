@@ -18,6 +18,23 @@ import httpx
 from draftline.errors import DataError
 
 PREFIX = "vllm:spec_decode_"
+API_KEY_ENVS = ("DRAFTLINE_REGENERATE_API_KEY", "OPENAI_API_KEY")
+
+
+def redact(url: str) -> str:
+    """The URL without user info or query (where credentials hide)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+def api_key() -> str | None:
+    """An OpenAI-compatible endpoint's key, from the environment only (never from a flag, so it reaches no
+    param or log)."""
+    import os
+
+    return next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None)
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 _SAMPLE = re.compile(r'^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)')
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -54,8 +71,6 @@ def server_root(endpoint: str) -> str:
 
 
 def read_counters(endpoint: str, model: str, headers: dict[str, str], timeout_s: float = 30.0) -> dict:
-    from draftline.data.regenerate import redact
-
     url = server_root(endpoint) + "/metrics"
     try:
         r = httpx.get(url, headers=headers, timeout=timeout_s)
@@ -87,8 +102,6 @@ def settled_counters(endpoint: str, model: str, headers: dict[str, str], wait_s:
 
 
 def auth_headers() -> dict[str, str]:
-    from draftline.data.regenerate import api_key
-
     key = api_key()
     return {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -106,8 +119,6 @@ def complete_with_stats(client: httpx.Client, endpoint: str, model: str, prompt:
                         extra: dict | None = None) -> tuple[list[int], dict | None]:
     """:func:`complete`, and the request's own spec-decode statistics where the server reports them
     (``metrics.speculative_decoding``: vLLM with ``--per-request-spec-decode-metrics summary``)."""
-    from draftline.data.regenerate import redact
-
     url = endpoint.rstrip("/") + "/completions"
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "return_token_ids": True, **(extra or {})}

@@ -32,8 +32,8 @@ def publish(client, name: str, versions: int, mib: int, root: Path) -> dict[str,
     checksums manifest}``."""
     import mlflow
 
-    from draftline.registry import checksums_tag
-    from draftline.transfer import CHECKSUMS, manifest_digest_of
+    from draftline.registry.transfer import CHECKSUMS, manifest_digest_of
+    from draftline.registry.versions import checksums_tag
     from draftline.util import file_sha256
 
     try:
@@ -83,7 +83,7 @@ class Mover:
         self._thread.join()
 
     def _run(self) -> None:
-        from draftline.promotion import holders, promote, rollback
+        from draftline.registry.promotion import holders, promote, rollback
 
         rng = random.Random(0)
         while not self._stop.wait(self.every_s):
@@ -169,7 +169,7 @@ def _sha256(path: Path) -> str:
 
 def check_pull(dest: Path, version: str, manifests: dict[str, dict[str, str]]) -> list[str]:
     """What is wrong with ``dest`` as the complete directory of ``version`` (and of no other)."""
-    from draftline.transfer import CHECKSUMS
+    from draftline.registry.transfer import CHECKSUMS
 
     want = manifests[version]
     problems = []

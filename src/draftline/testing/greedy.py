@@ -55,8 +55,8 @@ def train_drafter(verifier_dir: Path, recs: list[dict], *, aux_layer_ids: list[i
     """A drafter (random init, vocabulary from the replies' tokens) trained ``steps`` bare AdamW steps."""
     from transformers import AutoConfig
 
-    from draftline.train.model import build_draft_model, train_steps_in_process
-    from draftline.vocab import build_vocab
+    from draftline.drafter.model import build_draft_model, train_steps_in_process
+    from draftline.drafter.vocab import build_vocab
 
     size = AutoConfig.from_pretrained(verifier_dir).vocab_size
     freqs = torch.zeros(size, dtype=torch.long)
@@ -74,7 +74,7 @@ def train_drafter(verifier_dir: Path, recs: list[dict], *, aux_layer_ids: list[i
 def teacher_forced(drafter, recs: list[dict], ttt_steps: int = 3) -> dict[str, float]:
     """speculators' teacher-forced metrics (``full_acc_k``/``cond_acc_k``, over the draft vocabulary), plus
     ``full_vocab_acc_0``: how often the first draft (mapped to the verifier's ids) is the verifier's next token."""
-    from draftline.train.model import accumulate, forward, loss_config, pack, summarise
+    from draftline.drafter.model import accumulate, forward, loss_config, pack, summarise
 
     sums: dict[str, float] = {}
     hits = total = 0
@@ -103,8 +103,8 @@ def save_drafter(model, verifier_dir: Path, out: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from draftline.checkpoints import VERIFIER_OWNED, to_midlayer_layout
-    from draftline.drafter_shape import specforge_config
+    from draftline.drafter.checkpoints import VERIFIER_OWNED, to_midlayer_layout
+    from draftline.drafter.shape import specforge_config
 
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()

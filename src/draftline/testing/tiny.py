@@ -102,12 +102,12 @@ def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, see
     import torch
     from safetensors.torch import save_file
 
-    from draftline.checkpoints import to_midlayer_layout
     from draftline.data.capture import capture_hidden_states
     from draftline.data.tokenize import tokenize_conversations
-    from draftline.drafter_shape import default_aux_layers, specforge_config
-    from draftline.train.model import build_draft_model, train_steps_in_process
-    from draftline.vocab import build_vocab
+    from draftline.drafter.checkpoints import to_midlayer_layout
+    from draftline.drafter.model import build_draft_model, train_steps_in_process
+    from draftline.drafter.shape import default_aux_layers, specforge_config
+    from draftline.drafter.vocab import build_vocab
 
     out_dir = Path(out_dir)
     verifier_dir, parent_dir = out_dir / "verifier", out_dir / "parent"

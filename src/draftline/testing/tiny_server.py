@@ -223,8 +223,8 @@ def _add_speculative_decoding(app, model, tokenizer, model_dir: str, name: str, 
                               generate_lock, error) -> None:
     from fastapi.responses import PlainTextResponse
 
+    from draftline.drafter.loading import load_drafter
     from draftline.evaluation.chain import Counters, speculative_generate
-    from draftline.evaluation.drafter import load_drafter
     from draftline.evaluation.proposer import Eagle3Proposer
 
     proposer = Eagle3Proposer(load_drafter(model_dir, drafter_dir))

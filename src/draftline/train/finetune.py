@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
-from draftline import handoff, lineage
 from draftline.config import FinetuneConfig, work_dir
-from draftline.drafter_shape import aux_layer_ids, key_remap, layer_config
+from draftline.drafter import handoff
+from draftline.drafter.model import LAYER_FILE, PAIRING
+from draftline.drafter.shape import aux_layer_ids, key_remap, layer_config
 from draftline.errors import CheckpointError, DataError
-from draftline.train.model import LAYER_FILE, PAIRING
+from draftline.registry import lineage
 from draftline.train.spec import WorkerSpec
 
 
@@ -96,8 +97,8 @@ def check_parent_config_matches_weights(name: str, config: dict | None, header: 
 
 def choose_vocab(cfg: FinetuneConfig, files, data, verifier_vocab: int) -> tuple[dict, dict[str, int]]:
     """``({"d2t", "t2d"}, counts)`` by the vocabulary policy."""
-    from draftline.checkpoints import read_tensors
-    from draftline.vocab import build_vocab, plan_remap
+    from draftline.drafter.checkpoints import read_tensors
+    from draftline.drafter.vocab import build_vocab, plan_remap
 
     parent_vocab = read_tensors(files, {"d2t", "t2d"}) if files else {}
     if files and set(parent_vocab) != {"d2t", "t2d"}:
@@ -162,9 +163,9 @@ def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, dr
     and the param ``plan.fits`` (true | false | unchecked, without a GPU | error). Never stops the launch."""
     import mlflow
 
-    from draftline import plan as planning
-    from draftline.drafter_shape import verifier_config
+    from draftline.drafter.shape import verifier_config
     from draftline.tracking import log_params_once
+    from draftline.train import plan as planning
     from draftline.train.launcher import gpu_memory_gib, hostfile_shape
 
     try:
@@ -220,10 +221,10 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     from safetensors.torch import save_file
 
     from draftline import tracking
-    from draftline.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
     from draftline.data.refs import dataset_name, resolve_data
     from draftline.data.shards import open_prepared
-    from draftline.parents import resolve_init
+    from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
+    from draftline.drafter.parents import resolve_init
     from draftline.train.launcher import launch, resolve_ranks
 
     tracking.setup()

@@ -20,8 +20,8 @@ def drafter_shapes(verifier: str, layer: dict, *, aux_layer_ids: list[int], draf
     (no weight is allocated, the verifier's embeddings are not read)."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    from draftline.checkpoints import model_shapes
-    from draftline.drafter_shape import verifier_config
+    from draftline.drafter.checkpoints import model_shapes
+    from draftline.drafter.shape import verifier_config
 
     config = verifier_config(verifier, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids, layer=layer)
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (as the ranks build it)
@@ -74,7 +74,7 @@ def check_vocab(vocab: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...
 def check_parent(files, shapes: dict[str, tuple[int, ...]], *, rebuild: bool, header: dict | None = None) -> None:
     """The parent's keys and shapes (headers only), after the ``midlayer.`` -> ``layers.0.`` remap, against
     the drafter; under vocab=rebuild ``lm_head``'s rows are those of the parent's own ``d2t``."""
-    from draftline.checkpoints import match_keys, read_header
+    from draftline.drafter.checkpoints import match_keys, read_header
 
     header = header if header is not None else read_header(files)
     match_keys(header, shapes, root=files.root, rebuild=rebuild)
@@ -90,7 +90,7 @@ def preflight(*, verifier: str, layer: dict, manifest: dict, vocab: dict[str, to
               parent_files=None, header: dict | None = None, vocab_policy: str = "parent") -> dict[str, float]:
     """Every check before launch; returns ``{"seconds": ...}``. Raises the first problem found."""
     t0 = time.perf_counter()
-    from draftline.drafter_shape import aux_layer_ids
+    from draftline.drafter.shape import aux_layer_ids
 
     aux = (aux_layer_ids(parent_files.config) if parent_files is not None else None) or manifest["aux_layer_ids"]
     check_verifier(verifier, layer, manifest)

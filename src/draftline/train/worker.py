@@ -50,7 +50,7 @@ def split_validation(records: list, fraction: float) -> tuple[list, list]:
 def validate(engine, val_records, spec, device, dtype, cfg, rank: int, world: int) -> dict[str, float]:
     """Metrics over the held-out samples, chunks split across ranks. Every rank runs the same number of
     forwards (ZeRO-3 gathers parameters collectively); surplus forwards are not counted."""
-    from draftline.train.model import metric_sums, summarise
+    from draftline.drafter.model import metric_sums, summarise
 
     engine.eval()
     sums = metric_sums(engine, val_records, ttt_steps=spec.ttt_steps, tokens_per_batch=spec.tokens_per_batch,
@@ -96,13 +96,12 @@ def train(spec: WorkerSpec) -> None:
     import deepspeed
     from mlflow import MlflowClient
 
-    from draftline.checkpoints import find_checkpoint, load_into_model
     from draftline.data.shards import open_prepared
     from draftline.data.verify import ShardVerifier
-    from draftline.handoff import BEST_TAG, read_best, write_best
-    from draftline.train.batches import batches, prefetch
-    from draftline.train.metrics_relay import MetricsFile
-    from draftline.train.model import (
+    from draftline.drafter.batches import batches, prefetch
+    from draftline.drafter.checkpoints import find_checkpoint, load_into_model
+    from draftline.drafter.handoff import BEST_TAG, read_best, write_best
+    from draftline.drafter.model import (
         accumulate,
         build_draft_model,
         forward,
@@ -111,6 +110,7 @@ def train(spec: WorkerSpec) -> None:
         summarise,
         trainable_parameters,
     )
+    from draftline.train.metrics_relay import MetricsFile
     from draftline.train.signals import install_rank_handlers, stop_requested
 
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
@@ -145,8 +145,8 @@ def train(spec: WorkerSpec) -> None:
         parent_files = find_checkpoint(spec.parent_path, allow_pickle=spec.allow_pickle)
         remap = None
         if spec.vocab_policy == "rebuild":
-            from draftline.checkpoints import read_tensors
-            from draftline.vocab import plan_remap, remap_lm_head, verifier_head
+            from draftline.drafter.checkpoints import read_tensors
+            from draftline.drafter.vocab import plan_remap, remap_lm_head, verifier_head
 
             old_d2t = read_tensors(parent_files, {"d2t"})["d2t"]
             full_head = verifier_head(spec.verifier)

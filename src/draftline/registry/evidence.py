@@ -99,7 +99,7 @@ def on_digest(evaluations: list[Evaluation], digest: str) -> Evaluation | None:
 
 def _parent_evaluations(client, mv) -> tuple[list[Evaluation] | None, str]:
     """The parent's evaluations (``None`` for a random init) and the ``--target`` that evaluates it."""
-    from draftline.registry import model_id_of, resolve_version
+    from draftline.registry.versions import model_id_of, resolve_version
 
     source = mv.tags.get("parent.source", "none")
     if source in ("", "none"):
@@ -123,12 +123,12 @@ def _parent_evaluations(client, mv) -> tuple[list[Evaluation] | None, str]:
 def evidence_for(client, name: str, mv, current, data: str):
     """What a policy with an evaluation rule compares: the evaluations of ``mv``, of ``current`` (the version
     in Production, or None) and of ``mv``'s parent, with the command that evaluates each."""
-    from draftline.registry import model_id_of
+    from draftline.registry.versions import model_id_of
 
     def hint(target: str) -> str:
         return f"run `draftline evaluate --target {target} --data <the {data} set: runs:/<prepare run>/data>`"
 
-    from draftline.evaluation.confidence import read_per_prompt
+    from draftline.registry.confidence import read_per_prompt
 
     def with_evidence(evaluations: list[Evaluation] | None) -> list[Evaluation] | None:
         for ev in evaluations or []:  # the per-prompt evidence of the policy's set, for paired comparisons

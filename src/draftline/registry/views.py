@@ -4,9 +4,9 @@ metrics, parents) and ``draftline compare`` (versions side by side, their parent
 from __future__ import annotations
 
 from draftline.errors import RegistryError
-from draftline.lineage import HEADLINE_METRICS, VERSION_TAG_PARAMS
-from draftline.promotion import LOCK_SUFFIX
-from draftline.registry import mlflow_error, model_id_of, registry_uri, resolve_version, unknown_model_hint
+from draftline.registry.lineage import HEADLINE_METRICS, VERSION_TAG_PARAMS
+from draftline.registry.promotion import LOCK_SUFFIX
+from draftline.registry.versions import mlflow_error, model_id_of, registry_uri, resolve_version, unknown_model_hint
 
 HEADLINE = HEADLINE_METRICS[0]  # val/acceptance_length
 
@@ -32,8 +32,8 @@ def list_models(client) -> list[dict]:
 
 def measured_on_policy_set(client, mv) -> str | None:
     """``measured 1.59 [1.48, 1.70] on 32`` for ``mv`` on the Production policy's evaluation set, if evaluated."""
-    from draftline.evaluation.results import HIGH_LOW, MEASURED, PROMPTS, evaluations_of, on_set
-    from draftline.policies import policy_set
+    from draftline.registry.evidence import HIGH_LOW, MEASURED, PROMPTS, evaluations_of, on_set
+    from draftline.registry.policies import policy_set
 
     wanted = policy_set()
     if not wanted:

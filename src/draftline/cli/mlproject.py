@@ -1,7 +1,7 @@
 """The MLproject file, generated from the stages' typed settings so that every setting is an entry-point
 parameter and every default comes from the settings (an empty value means "unset").
 
-``python -m draftline.mlproject > MLproject`` rewrites it; ``tests/unit/test_mlproject.py`` fails when the
+``python -m draftline.cli.mlproject > MLproject`` rewrites it; ``tests/unit/test_mlproject.py`` fails when the
 committed file and the settings disagree.
 """
 
@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig
 
 HEADER = """\
-# Generated from src/draftline/config.py by `python -m draftline.mlproject > MLproject`: do not edit by hand.
+# Generated from src/draftline/config.py by `python -m draftline.cli.mlproject > MLproject`: do not edit by hand.
 name: draftline
 
 # `mlflow run . -e finetune -P data=runs:/<prepare run>/data -P init=aq-medai`

@@ -2,7 +2,7 @@
 
 A version is created from the drafter's LoggedModel with all its lineage tags in one call, so it exists whole
 or not at all; if waiting for it fails, it is deleted again. Where versions stand (stages and aliases) is
-``promotion.py``'s; what the registry holds, listed and compared, is ``registry_views.py``'s.
+``registry/promotion.py``'s; what the registry holds, listed and compared, is ``registry/views.py``'s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from draftline.errors import RegistryError, VerificationError
-from draftline.retry import retrying, unavailable
+from draftline.registry.retry import retrying, unavailable
 
 log = logging.getLogger(__name__)
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/@]+)|@(?P<alias>[^/@]+))/?$")
@@ -59,7 +59,7 @@ def resolve_version(client, uri: str):
 
 
 STAGES = ("Staging", "Production", "Archived", "None")
-ALIASES = {"Production": "production", "Staging": "staging"}  # the alias each stage follows (promotion.py)
+ALIASES = {"Production": "production", "Staging": "staging"}  # the alias each stage follows (registry/promotion.py)
 
 
 def registry_uri() -> str:
@@ -157,7 +157,7 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     LoggedModel's artifact location, and one GET per file not in the cache. The file list and digests come
     from the version's ``export.checksums`` tag, checked against ``export.sha256``; older versions, without
     the tag, read ``checksums.json`` from the store."""
-    from draftline.transfer import BlobCache, fetch_directory
+    from draftline.registry.transfer import BlobCache, fetch_directory
 
     chosen = [x for x in (stage, alias, version) if x]
     if len(chosen) != 1:

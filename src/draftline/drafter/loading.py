@@ -19,11 +19,11 @@ def load_drafter(verifier_dir: str | Path, drafter_dir: str | Path, *, aux_layer
     :class:`~draftline.errors.CheckpointError` when the directory is no EAGLE-3 drafter for it."""
     import torch
 
-    from draftline.checkpoints import find_checkpoint, load_into_model, read_tensors
-    from draftline.drafter_shape import aux_layer_ids as aux_of
-    from draftline.drafter_shape import default_aux_layers, layer_config
+    from draftline.drafter.checkpoints import find_checkpoint, load_into_model, read_tensors
+    from draftline.drafter.model import build_draft_model
+    from draftline.drafter.shape import aux_layer_ids as aux_of
+    from draftline.drafter.shape import default_aux_layers, layer_config
     from draftline.errors import CheckpointError, DataError
-    from draftline.train.model import build_draft_model
 
     drafter_dir = Path(drafter_dir)
     name = name or str(drafter_dir)

@@ -21,8 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from draftline.errors import DraftlineError, RegistryError
-from draftline.registry import ALIASES, denied, mlflow_error, resolve_version
-from draftline.retry import retrying, unavailable
+from draftline.registry.retry import retrying, unavailable
+from draftline.registry.versions import ALIASES, denied, mlflow_error, resolve_version
 
 log = logging.getLogger(__name__)
 LOCK_SUFFIX = "--draftline-promotion-lock"
@@ -184,7 +184,7 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
     """Evaluate the stage's policy; on pass point the stage's alias at ``version`` and move the stage with it
     (archiving the previous holder). Returns ``{"results", "version", "stage", "changed", "message"}``;
     raises :class:`RegistryError` when a rule fails (nothing changes)."""
-    from draftline.policies import evaluate, load_policy, policy_path
+    from draftline.registry.policies import evaluate, load_policy, policy_path
 
     stage = stage.capitalize()
     if stage not in ALIASES:
@@ -204,7 +204,7 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
         current = _get_version(client, name, truth["Production"]) if truth["Production"] else None
         evidence = None
         if policy.evaluation is not None:
-            from draftline.evaluation.results import evidence_for
+            from draftline.registry.evidence import evidence_for
 
             evidence = evidence_for(client, name, mv, current, policy.evaluation.data)
         results = evaluate(policy, mv, current=current, parent=_parent_version(client, mv), evidence=evidence)
@@ -250,7 +250,7 @@ def rollback(client, name: str, *, to: str | None = None, reason: str, policy_fi
     """Production goes back to the version it held before (or ``to``). The integrity rules of the Production
     policy still apply (lineage tags, pairing, export validated, minimum metrics); "not worse than the current
     Production" does not: that is what a rollback overrides. Recorded as version tags (who, when, why, from)."""
-    from draftline.policies import evaluate, load_policy, policy_path
+    from draftline.registry.policies import evaluate, load_policy, policy_path
 
     if not reason.strip():
         raise RegistryError("a rollback needs a reason: pass --reason TEXT (it is recorded on the version)")

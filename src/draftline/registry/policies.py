@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from draftline.errors import ConfigError
-from draftline.evaluation.results import Evidence
+from draftline.registry.evidence import Evidence
 
 
 class Comparison(BaseModel):
@@ -182,7 +182,7 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None, evidence: Evidenc
 
 def _evaluated(rule: EvaluationRule, evidence: Evidence):
     """The version's evaluation on the policy's set, and the rules about it."""
-    from draftline.evaluation.results import LOSSLESS, MEASURED, on_set
+    from draftline.registry.evidence import LOSSLESS, MEASURED, on_set
 
     ev = on_set(evidence.version, rule.data)
     if ev is None:
@@ -190,7 +190,7 @@ def _evaluated(rule: EvaluationRule, evidence: Evidence):
                                  f"no evaluation on {rule.data}: {evidence.version_hint}")]
     out = [RuleResult(f"evaluated on {rule.data}", True, f"{ev.name} {ev.digest[:12]}: {ev.summary()}")]
     if rule.min_prompts is not None and MEASURED in ev.metrics:  # teacher-forced only: no prompts decoded
-        from draftline.evaluation.results import PROMPTS
+        from draftline.registry.evidence import PROMPTS
 
         n = ev.metrics.get(PROMPTS)
         ok = n is not None and n >= rule.min_prompts
@@ -208,7 +208,7 @@ def _evaluated(rule: EvaluationRule, evidence: Evidence):
 def _compare_evaluations(policy: Policy, cmp_: Comparison, label: str, ev, evidence: Evidence, other) -> RuleResult:
     """``cmp_.metric`` of the version vs ``label`` (current Production or parent) on the same evaluation set;
     measured against measured, else teacher-forced against teacher-forced; never across data sets."""
-    from draftline.evaluation.results import HEADLINE, on_digest, on_set
+    from draftline.registry.evidence import HEADLINE, on_digest, on_set
 
     rule = f"{cmp_.metric} not worse than {label}" + (f" - {cmp_.margin}" if cmp_.margin else "")
     theirs_all = evidence.parent if label == "parent" else evidence.current
@@ -245,7 +245,7 @@ def _compare_evaluations(policy: Policy, cmp_: Comparison, label: str, ev, evide
 def _compare_paired(cmp_: Comparison, label: str, rule: str, ev, theirs, hint: str, point: str) -> RuleResult:
     """The paired form: the difference prompt by prompt on the prompts both sides measured, with its bootstrap
     interval; the rule holds when the interval's lower bound is >= -margin."""
-    from draftline.evaluation.confidence import paired_difference
+    from draftline.registry.confidence import paired_difference
 
     rule = f"{rule} at {cmp_.confidence:.0%} (paired)"
     for who, e, fix in (("the version", ev, "rerun its evaluation"), (f"the {label}", theirs, hint)):

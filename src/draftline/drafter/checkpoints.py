@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from draftline.drafter_shape import MIDLAYER_PREFIX, SPECULATORS_PREFIX, key_remap
+from draftline.drafter.shape import MIDLAYER_PREFIX, SPECULATORS_PREFIX, key_remap
 from draftline.errors import CheckpointError
 
 # Keys a drafter shares with its verifier, or keeps only in memory: a parent may lack them or carry them;

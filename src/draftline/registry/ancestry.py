@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from draftline.errors import RegistryError
-from draftline.lineage import HEADLINE_METRICS
+from draftline.registry.lineage import HEADLINE_METRICS
 
 
 def walk(client, uri: str, max_depth: int = 64) -> list[dict]:
     """Generations from ``uri`` back to the root: registered versions, then the external parent (or random)."""
-    from draftline.registry import resolve_version
+    from draftline.registry.versions import resolve_version
 
     chain, seen = [], set()
     name, mv = resolve_version(client, uri)

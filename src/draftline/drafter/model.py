@@ -16,13 +16,13 @@ def build_draft_model(verifier_name_or_path: str, *, d2t: torch.Tensor, t2d: tor
                       norm_before_residual: bool = False, layer: dict | None = None):
     """A fresh drafter (random trainable weights, verifier embeddings and lm_head rows), cast to ``dtype``.
 
-    ``layer`` is the decoder layer config (:func:`draftline.drafter_shape.layer_config`; default: the verifier's own, with one layer).
+    ``layer`` is the decoder layer config (:func:`draftline.drafter.shape.layer_config`; default: the verifier's own, with one layer).
     ``sdpa``/``eager`` attention train on the CPU, where speculators' default flex attention does not.
     """
     from speculators.models.eagle3 import Eagle3DraftModel
     from transformers import AutoConfig
 
-    from draftline.drafter_shape import VERIFIER_ONLY_KEYS, layer_config
+    from draftline.drafter.shape import VERIFIER_ONLY_KEYS, layer_config
 
     # a hand-off written before layer_config dropped them may still carry the verifier's quantization
     layer = {k: v for k, v in (layer or layer_config(verifier_name_or_path)).items() if k not in VERIFIER_ONLY_KEYS}
@@ -122,7 +122,7 @@ def metric_sums(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps:
     from tqdm.auto import trange
 
     from draftline.console import bar_kwargs
-    from draftline.train.batches import batch_plan
+    from draftline.drafter.batches import batch_plan
 
     model.eval()
     lengths = [int(r["input_ids"].numel()) for r in records]
@@ -148,7 +148,7 @@ def train_steps_in_process(model, records: Sequence[dict[str, torch.Tensor]], *,
     from tqdm.auto import trange
 
     from draftline.console import bar_kwargs
-    from draftline.train.batches import batches
+    from draftline.drafter.batches import batches
 
     params = trainable_parameters(model)
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)

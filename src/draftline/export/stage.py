@@ -22,8 +22,8 @@ import torch
 
 from draftline.config import ExportConfig
 from draftline.errors import CheckpointError, DataError, DiskFullError, DraftlineError
-from draftline.lineage import LINEAGE_FILE
-from draftline.transfer import CHECKSUMS  # one name for the manifest, in exports and pulls
+from draftline.registry.lineage import LINEAGE_FILE
+from draftline.registry.transfer import CHECKSUMS  # one name for the manifest, in exports and pulls
 
 # Running out of room, as the OS reports it.
 ROOM_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
@@ -87,8 +87,8 @@ def _room_in_store(target: str):
 
 def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], layer: dict | None = None):
     """A fresh drafter for the run's verifier, decoder layer and vocabulary, with the consolidated weights."""
-    from draftline.checkpoints import VERIFIER_OWNED
-    from draftline.train.model import build_draft_model
+    from draftline.drafter.checkpoints import VERIFIER_OWNED
+    from draftline.drafter.model import build_draft_model
 
     aux = json.loads(params["verifier.aux_layers"])
     model = build_draft_model(local_verifier(params), d2t=state["d2t"], t2d=state["t2d"],
@@ -200,8 +200,8 @@ def upload_with_checksums(out: Path, model_id: str) -> dict[str, str]:
 def write_midlayer(model, out: Path, params: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
-    from draftline.checkpoints import to_midlayer_layout
-    from draftline.drafter_shape import specforge_config
+    from draftline.drafter.checkpoints import to_midlayer_layout
+    from draftline.drafter.shape import specforge_config
 
     out.mkdir(parents=True, exist_ok=True)
     state = to_midlayer_layout({k: v.detach().contiguous() for k, v in model.state_dict().items()})
@@ -216,7 +216,7 @@ def validate(model, out: Path, seed: int = 0, verifier_path: str | None = None) 
     ``verifier_path``: where the verifier lies on this host (the config names it by its serving id)."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    from draftline.train.model import pack
+    from draftline.drafter.model import pack
 
     config = Eagle3SpeculatorConfig.from_pretrained(str(out))
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (not saved; flex needs a GPU)
@@ -247,8 +247,9 @@ def run(cfg: ExportConfig) -> dict[str, str]:
     import mlflow
     from mlflow import MlflowClient
 
-    from draftline import lineage as lin
-    from draftline import registry, tracking
+    from draftline import tracking
+    from draftline.registry import lineage as lin
+    from draftline.registry import versions
 
     tracking.setup()
     client = MlflowClient()
@@ -267,8 +268,8 @@ def run(cfg: ExportConfig) -> dict[str, str]:
                             tags={"draftline.finetune.run_id": ft_id}) as active, \
             tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp:
         tmp = Path(tmp)
-        from draftline.handoff import fetch_weights
-        from draftline.train.model import LAYER_FILE
+        from draftline.drafter.handoff import fetch_weights
+        from draftline.drafter.model import LAYER_FILE
 
         with _room_in_tmp(tmp):
             where, state, step = fetch_weights(ft, cfg.checkpoint, tmp / "weights")
@@ -285,7 +286,7 @@ def run(cfg: ExportConfig) -> dict[str, str]:
         from draftline.evaluation.stage import attach, evaluations_for
 
         evaluated = evaluations_for(client, ft_id, step)
-        from draftline.policies import policy_set
+        from draftline.registry.policies import policy_set
 
         found = recommended_k(evaluated, policy_set())
         k = found[0] if found else None
@@ -317,7 +318,7 @@ def run(cfg: ExportConfig) -> dict[str, str]:
             if cfg.layout == "midlayer":
                 with _room_in_tmp(tmp / "midlayer"):
                     write_midlayer(model, tmp / "midlayer", params)
-                from draftline.export_midlayer import check_reload  # init=<that dir> gives these weights
+                from draftline.export.midlayer import check_reload  # init=<that dir> gives these weights
 
                 check_reload(model, tmp / "midlayer", local_verifier(params))
                 with _room_in_store(f"{active.info.artifact_uri}/midlayer"):
@@ -333,12 +334,12 @@ def run(cfg: ExportConfig) -> dict[str, str]:
                 mlflow.finalize_logged_model(logged.model_id, "FAILED")
             raise
         tags = {**lineage, "export.sha256": export_sha, "export.validated": "true", "export.vllm_check": vllm_check,
-                "export.run_id": active.info.run_id, **registry.checksums_tag(manifest),
+                "export.run_id": active.info.run_id, **versions.checksums_tag(manifest),
                 **{f"metric.{k}": f"{v:.4f}" for k, v in metrics.items()}}
         mlflow.set_tags({"export.sha256": export_sha, "export.validated": "true",
                          "draftline.model_id": logged.model_id})
-        description = registry.describe(lineage)
-        version = registry.register(client, cfg.registered_model, model_id=logged.model_id,
+        description = versions.describe(lineage)
+        version = versions.register(client, cfg.registered_model, model_id=logged.model_id,
                                     run_id=active.info.run_id, tags=tags, description=description)
         mlflow.set_tags({"draftline.model_version": f"models:/{cfg.registered_model}/{version.version}",
                          "mlflow.runName": f"export → {cfg.registered_model} v{version.version}",
@@ -375,7 +376,7 @@ def recommended_k(evaluated: list[dict], preferred_set: str | None = None) -> tu
     """``(num_speculative_tokens, the evaluation set it came from)``: from the measured evaluation on
     ``preferred_set`` (the set the Production policy judges by: a name or a digest prefix) when there is one,
     else from the newest measured evaluation."""
-    from draftline.evaluation.results import RECOMMENDED_K
+    from draftline.registry.evidence import RECOMMENDED_K
 
     measured = [r for r in evaluated if RECOMMENDED_K in r["metrics"]]
     on_set = [r for r in measured if preferred_set and (r["data"]["name"] == preferred_set or (
@@ -387,7 +388,7 @@ def recommended_k(evaluated: list[dict], preferred_set: str | None = None) -> tu
 
 def export_digest(manifest: dict[str, str]) -> str:
     """One sha256 naming the whole export: over the sorted (file, sha256) pairs (what pulls check)."""
-    from draftline.transfer import manifest_digest_of
+    from draftline.registry.transfer import manifest_digest_of
 
     return manifest_digest_of(manifest)
 

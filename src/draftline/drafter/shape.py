@@ -1,7 +1,7 @@
 """The one place that knows an EAGLE-3 drafter's shape: its decoder layer, its aux layers, the two checkpoint
 layouts' key prefixes, the Kimi-K2 reference shape, and the configs speculators and SpecForge describe it with.
 
-Model building (``train/model.py``), the memory plan, ``inspect``, finetune's parent checks and export's
+Model building (``drafter/model.py``), the memory plan, ``inspect``, finetune's parent checks and export's
 SpecForge layout all read the shape from here; nothing here imports torch at module level.
 """
 

@@ -87,10 +87,10 @@ def _hf_cached(repo_id: str, revision: str | None = None) -> Path | None:
 def _from_registry(uri: str, cache: Path) -> Parent:
     from mlflow import MlflowClient
 
-    from draftline.registry import resolve_version
+    from draftline.registry.versions import resolve_version
 
     name, version = resolve_version(MlflowClient(), uri)
-    from draftline.transfer import BlobCache, fetch_directory
+    from draftline.registry.transfer import BlobCache, fetch_directory
 
     dest = cache / "registry" / name / str(version.version)
     client = MlflowClient()

@@ -20,8 +20,8 @@ def check_reload(model, out: Path, verifier: str) -> dict[str, int]:
     ``verifier``: where the verifier's config lies on this host. Returns ``{"tensors": n}``."""
     from transformers import AutoConfig
 
-    from draftline.checkpoints import _iter_tensors, detect_layout, find_checkpoint, match_keys, read_header
-    from draftline.drafter_shape import aux_layer_ids, layer_config, rope_theta
+    from draftline.drafter.checkpoints import _iter_tensors, detect_layout, find_checkpoint, match_keys, read_header
+    from draftline.drafter.shape import aux_layer_ids, layer_config, rope_theta
     from draftline.train.preflight import drafter_shapes
 
     files = find_checkpoint(out)

@@ -163,7 +163,7 @@ def parent_model_id(client, parent, *, sha256: str, layout: str, experiment_id: 
     if parent.is_random:
         return None
     if parent.model_version:
-        from draftline.registry import model_id_of
+        from draftline.registry.versions import model_id_of
 
         name, _, version = parent.model_version.removeprefix("models:/").rpartition("/")
         return model_id_of(client.get_model_version(name, version))

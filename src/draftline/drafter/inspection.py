@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftline.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
-from draftline.drafter_shape import MIDLAYER_PREFIX, SPECULATORS_PREFIX, aux_layer_ids, key_remap
+from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
+from draftline.drafter.shape import MIDLAYER_PREFIX, SPECULATORS_PREFIX, aux_layer_ids, key_remap
 from draftline.errors import CheckpointError
 
 
@@ -48,12 +48,12 @@ def _config_from_metadata(meta: dict) -> dict:
 def _remote(target: str) -> dict:
     from mlflow import MlflowClient
 
-    from draftline.remote_header import ArtifactDir
-    from draftline.transfer import CHECKSUMS, BlobCache
+    from draftline.registry.remote_header import ArtifactDir
+    from draftline.registry.transfer import CHECKSUMS, BlobCache
 
     client = MlflowClient()
     if target.startswith("models:/"):
-        from draftline.registry import resolve_version
+        from draftline.registry.versions import resolve_version
 
         name, mv = resolve_version(client, target)
         where = ArtifactDir(client.get_model_version_download_uri(name, mv.version))
@@ -68,8 +68,8 @@ def _remote(target: str) -> dict:
             else None
         return summarise(header, config, target, weights, sha, bytes_downloaded=where.downloaded,
                          version=f"models:/{name}/{mv.version}")
+    from draftline.drafter.handoff import WEIGHTS
     from draftline.errors import DataError
-    from draftline.handoff import WEIGHTS
     from draftline.tracking import parse_run_ref, tracking_uri
 
     run_id, path = parse_run_ref(target)
@@ -105,7 +105,7 @@ def _remote(target: str) -> dict:
 
 
 def _blob_header(blob: Path) -> dict:
-    from draftline.remote_header import ArtifactDir
+    from draftline.registry.remote_header import ArtifactDir
 
     local = ArtifactDir(str(blob.parent.resolve()))
     return local.safetensors_header(blob.name)

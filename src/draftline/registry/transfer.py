@@ -31,7 +31,7 @@ from pathlib import Path, PurePosixPath
 
 from draftline.config import cache_root
 from draftline.errors import DraftlineError, VerificationError
-from draftline.retry import retrying, unavailable
+from draftline.registry.retry import retrying, unavailable
 from draftline.util import atomic_write_text, file_sha256
 
 CHECKSUMS = "checksums.json"
@@ -80,7 +80,7 @@ def download_verified(repo, name: str, digest: str, into: Path, on_bytes=None) -
     hasher = _GrowingFileHasher(target, on_bytes)
     hasher.start()
     try:
-        repo._download_file(remote_file_path=name, local_path=str(target))
+        repo._download_file(remote_file_path=name, local_path=str(target))  # noqa: SLF001  (every store implements it)
     finally:
         hasher.done.set()
         hasher.join()

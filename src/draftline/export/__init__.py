@@ -1,0 +1,1 @@
+"""export: a finetune checkpoint -> a directory vLLM serves as it is, registered as a version."""

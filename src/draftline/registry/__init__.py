@@ -1,0 +1,1 @@
+"""The MLflow Model Registry side: versions, lineage, evidence, policies, promotion, verified transfers."""
