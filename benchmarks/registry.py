@@ -50,7 +50,7 @@ def run(shape: str = "real", reps: int = 2) -> dict:
     import mlflow
     from mlflow import MlflowClient
 
-    from draftline.export.stage import CHECKSUMS, upload_with_checksums
+    from draftline.export.upload import CHECKSUMS, upload_with_checksums
     from draftline.registry import versions
     from draftline.testing.localserver import start_mlflow_server, stop
 

@@ -85,6 +85,10 @@ def _tty() -> bool:
         return False
 
 
+PREFIX = "[draftline] "  # every line draftline itself prints starts so (the ranks' relay keeps only those)
+
+
 def say(message: str) -> None:
-    """One line for the person at the terminal (stderr: stdout carries the command's result)."""
-    print(message, file=sys.stderr, flush=True)
+    """One line for the person at the terminal, ``[draftline] `` first (stderr: stdout carries the command's
+    result). Every line draftline prints goes through here."""
+    print(PREFIX + message, file=sys.stderr, flush=True)

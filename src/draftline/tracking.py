@@ -10,6 +10,7 @@ import contextlib
 import os
 from pathlib import Path
 
+from draftline.console import say
 from draftline.errors import DataError, ServerUnavailable, TrackingError
 
 EXPERIMENT_ENV = "DRAFTLINE_EXPERIMENT"
@@ -162,7 +163,6 @@ def stage_run(step: str, run_name: str | None = None, tags: dict[str, str] | Non
 def end_run(status: str, wait_s: float | None = None) -> None:
     """End the active run with ``status``; a tracking server that is away is retried for up to ``wait_s``
     (``DRAFTLINE_TRACKING_WAIT_S``, default 600 s), so an outage at the end does not leave the run RUNNING."""
-    import sys
     import time
 
     import mlflow
@@ -181,8 +181,8 @@ def end_run(status: str, wait_s: float | None = None) -> None:
             fluent.run_id_to_system_metrics_monitor.pop(run_id).finish()
     wait_s = float(os.environ.get("DRAFTLINE_TRACKING_WAIT_S", "600")) if wait_s is None else wait_s
     deadline, delay = time.monotonic() + wait_s, 1.0
-    print(f"[draftline] the tracking server is unreachable; retrying to mark run {run_id} {status} for up to "
-          f"{wait_s:.0f} s", file=sys.stderr)
+    say(f"the tracking server is unreachable; retrying to mark run {run_id} {status} for up to "
+          f"{wait_s:.0f} s")
     while time.monotonic() < deadline:
         time.sleep(delay)
         delay = min(delay * 2, 15.0)
@@ -191,8 +191,8 @@ def end_run(status: str, wait_s: float | None = None) -> None:
             return
         except Exception:  # noqa: BLE001
             continue
-    print(f"[draftline] could not mark run {run_id} {status}: {tracking_uri()} stayed unreachable; mark it with "
-          f"`mlflow runs` or resume it", file=sys.stderr)
+    say(f"could not mark run {run_id} {status}: {tracking_uri()} stayed unreachable; mark it with "
+          f"`mlflow runs` or resume it")
 
 
 def log_params_once(params: dict[str, object], run_id: str | None = None) -> None:

@@ -31,6 +31,24 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def file_manifest(paths) -> dict[str, str]:
+    """``{file name: sha256}`` of the files (what ``checksums.json`` holds)."""
+    return {Path(p).name: file_sha256(Path(p)) for p in sorted(Path(x) for x in paths)}
+
+
+def manifest_digest(manifest: dict[str, str]) -> str:
+    """The one digest draftline gives a set of files: sha256 over its sorted ``(name, sha256)`` pairs. An
+    export's ``export.sha256``, a parent's ``parent.sha256`` and a pulled directory's ``manifest_sha256``."""
+    import json
+
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def files_digest(paths) -> str:
+    """:func:`manifest_digest` of the files' :func:`file_manifest`."""
+    return manifest_digest(file_manifest(paths))
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:

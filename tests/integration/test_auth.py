@@ -21,7 +21,8 @@ def test_read_user_pulls_but_cannot_promote(workspace, server, request, monkeypa
     from mlflow import MlflowClient
     from mlflow.server import get_app_client
 
-    from draftline.export.stage import CHECKSUMS, export_digest, sha256_manifest
+    from draftline.export.upload import CHECKSUMS, sha256_manifest
+    from draftline.util import manifest_digest
 
     auth_server = request.getfixturevalue(server)
 
@@ -44,7 +45,7 @@ def test_read_user_pulls_but_cannot_promote(workspace, server, request, monkeypa
     client.create_registered_model("team-drafter")
     client.create_model_version("team-drafter", f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id,
                                 tags={**TAGS, "metric.val/acceptance_length": "1.5", "metric.train/acceptance_length": "1.5",
-                                      "export.sha256": export_digest(manifest)})
+                                      "export.sha256": manifest_digest(manifest)})
 
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "reader")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "reader-password-123")

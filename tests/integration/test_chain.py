@@ -11,7 +11,8 @@ from click.testing import CliRunner
 from mlflow import MlflowClient
 
 from draftline.cli import cli
-from draftline.drafter.checkpoints import find_checkpoint, sha256_files
+from draftline.drafter.checkpoints import find_checkpoint
+from draftline.util import files_digest
 
 from ..conftest import DEMO
 
@@ -35,7 +36,7 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     p = run.data.params
     assert p["init"] == "tiny" and p["parent.source"] == "draftline/tiny-parent"
     assert p["parent.layout"] == "midlayer" and p["parent.key_remap"] == "midlayer.->layers.0."
-    assert p["parent.sha256"] == sha256_files(find_checkpoint(tiny["parent"]).weights)
+    assert p["parent.sha256"] == files_digest(find_checkpoint(tiny["parent"]).weights)
     assert p["zero.stage"] == "2" and p["world_size"] == "2" and p["vocab.policy"] == "parent"
     assert p["data.digest"] == prep["digest"] and run.data.tags["draftline.data.run_id"] == prep["run_id"]
     loss = client.get_metric_history(ft["run_id"], "train/loss")

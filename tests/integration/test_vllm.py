@@ -34,7 +34,7 @@ def export_for_fp8_verifier(tiny, tmp_path: Path, *, inherit_quantization: bool)
     config, or (``inherit_quantization``) as exports were before, the verifier's quantization in its layer."""
     from draftline.drafter.model import build_draft_model
     from draftline.drafter.shape import layer_config
-    from draftline.export.stage import write_drafter
+    from draftline.export.directory import write_drafter
 
     verifier = fp8_verifier(tiny, tmp_path)
     n = json.loads((verifier / "config.json").read_text())["vocab_size"]

@@ -11,8 +11,7 @@ import torch
 from benchmarks.common import AUX, SHAPES
 from draftline.drafter.shape import layer_config, verifier_config
 from draftline.errors import CheckpointError
-from draftline.export.midlayer import check_reload
-from draftline.export.stage import write_midlayer
+from draftline.export.midlayer import check_reload, write_midlayer
 
 LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "rope_theta", "rms_norm_eps", "max_position_embeddings", "vocab_size", "draft_vocab_size")

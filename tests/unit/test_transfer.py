@@ -8,7 +8,7 @@ import mlflow
 import pytest
 
 from draftline.errors import VerificationError
-from draftline.export.stage import CHECKSUMS, sha256_manifest
+from draftline.export.upload import CHECKSUMS, sha256_manifest
 from draftline.registry.transfer import BlobCache, fetch_directory
 
 
@@ -126,13 +126,13 @@ def sha256_manifest_of(files: dict[str, bytes]) -> dict[str, str]:
 
 
 def test_a_file_rewritten_together_with_its_checksum_is_caught_by_the_registry_digest(store, tmp_path):
-    from draftline.registry.transfer import manifest_digest_of
+    from draftline.util import manifest_digest
 
-    recorded = manifest_digest_of(sha256_manifest_of(FILES))  # what export tagged the version with
+    recorded = manifest_digest(sha256_manifest_of(FILES))  # what export tagged the version with
     forged = {**FILES, "model.safetensors": b"other weights"}
     uri = _publish(tmp_path, forged, manifest=sha256_manifest_of(forged))  # consistent, but not what was exported
     with pytest.raises(VerificationError, match="does not match the export.sha256 the registry recorded"):
-        fetch_directory(uri, tmp_path / "d", cache=None, manifest_digest=recorded)
+        fetch_directory(uri, tmp_path / "d", cache=None, expected_digest=recorded)
     assert not (tmp_path / "d").exists()
 
 
@@ -183,7 +183,7 @@ def test_a_pull_by_stage_asks_the_server_for_little_and_an_older_version_still_p
 
     from draftline.registry import versions
     from draftline.registry.promotion import promote
-    from draftline.registry.transfer import manifest_digest_of
+    from draftline.util import manifest_digest
 
     monkeypatch.setenv("DRAFTLINE_REGISTRY_POLICIES", str(tmp_path / "policies"))
     (tmp_path / "policies").mkdir()
@@ -192,7 +192,7 @@ def test_a_pull_by_stage_asks_the_server_for_little_and_an_older_version_still_p
     manifest = sha256_manifest_of(files)
     client, name = MlflowClient(), f"few-{tagged}"
     client.create_registered_model(name)
-    tags = {"export.sha256": manifest_digest_of(manifest), **(versions.checksums_tag(manifest) if tagged else {})}
+    tags = {"export.sha256": manifest_digest(manifest), **(versions.checksums_tag(manifest) if tagged else {})}
     source = _publish(tmp_path, files)
     run_id = mlflow.last_active_run().info.run_id  # the run _publish logged the files in
     mv = client.create_model_version(name, source, run_id=run_id, tags=tags)

@@ -6,7 +6,7 @@ import pytest
 
 from draftline.config import ExportConfig
 from draftline.errors import DataError
-from draftline.export.stage import serving_id
+from draftline.export.directory import serving_id
 from draftline.registry.lineage import VERIFIER_IDENTITY_FILE, verifier_identity
 
 

@@ -74,5 +74,5 @@ def run_main(*, conversations: str, verifier: str, init: str, registered_model: 
                                            **extra.get("export", {})}, commit, use_cache=False)
         version = client.get_run(ex).data.tags.get("draftline.model_version", "")
         mlflow.set_tags({"draftline.prepare.run_id": prep, "draftline.finetune.run_id": ft,
-                         "draftline.export.stage.run_id": ex, "draftline.model_version": version})
+                         "draftline.export.run_id": ex, "draftline.model_version": version})
     return {"prepare_run_id": prep, "finetune_run_id": ft, "export_run_id": ex, "model_version": version}

@@ -13,7 +13,6 @@ is the model plus one tensor.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,16 +237,5 @@ def load_into_model(model, files: CheckpointFiles, *, lm_head_remap=None) -> Loa
             report.loaded.append(key)
             del tensor
     return report
-
-
-def sha256_files(paths, chunk: int = 8 << 20) -> str:
-    """One sha256 over the files (sorted by name), streamed; also the per-file digests of :func:`file_digests`."""
-    h = hashlib.sha256()
-    for p in sorted(Path(x) for x in paths):
-        h.update(p.name.encode() + b"\0")
-        with open(p, "rb") as f:
-            while block := f.read(chunk):
-                h.update(block)
-    return h.hexdigest()
 
 

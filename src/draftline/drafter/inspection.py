@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
+from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
 from draftline.drafter.shape import MIDLAYER_PREFIX, SPECULATORS_PREFIX, aux_layer_ids, key_remap
 from draftline.errors import CheckpointError
+from draftline.util import files_digest
 
 
 def describe(target: str, *, allow_pickle: bool = False) -> dict:
@@ -23,7 +24,7 @@ def describe(target: str, *, allow_pickle: bool = False) -> dict:
         return _remote(target)
     files = find_checkpoint(Path(target), allow_pickle=allow_pickle)
     return summarise(read_header(files), _local_config(files.root, files.config), target,
-                     [p.name for p in files.weights], sha256_files(files.weights), bytes_downloaded=0)
+                     [p.name for p in files.weights], files_digest(files.weights), bytes_downloaded=0)
 
 
 def _local_config(root: Path, config: dict) -> dict:

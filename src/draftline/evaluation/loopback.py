@@ -31,18 +31,18 @@ def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k:
     with tempfile.TemporaryDirectory(prefix="draftline-evaluate-vllm-") as tmp:
         directory = save_for_vllm(drafter, verifier_dir, Path(tmp) / "drafter")
         spec = ServeSpec(model=verifier_dir, drafter=str(directory), k=k, max_model_len=max_len)
-        say(f"[draftline] starting vLLM (float32, loopback) with the drafter, k={k} ...")
+        say(f"starting vLLM (float32, loopback) with the drafter, k={k} ...")
         with VllmServer(spec) as server:
-            say(f"[draftline] vLLM up in {server.startup_s:.0f} s; measuring {len(prompts)} prompts x "
+            say(f"vLLM up in {server.startup_s:.0f} s; measuring {len(prompts)} prompts x "
                 f"{max_new_tokens} tokens")
             result = measure_vllm(server.endpoint, server.model, prompts, max_new_tokens=max_new_tokens,
                                   concurrency=concurrency, progress=progress)
             server.check_alive()
-    say(f"[draftline] vLLM measured acceptance length {result.acceptance_length:.3f} "
+    say(f"vLLM measured acceptance length {result.acceptance_length:.3f} "
         f"({result.generated_tokens / max(result.seconds, 1e-9):.0f} tokens/s)")
     if not check_lossless:
         return result
-    say("[draftline] plain vLLM (no drafter) for the lossless check ...")
+    say("plain vLLM (no drafter) for the lossless check ...")
     with VllmServer(ServeSpec(model=verifier_dir, max_model_len=max_len)) as plain:
         reference, _ = generate_all(plain.endpoint, plain.model, prompts, max_new_tokens=max_new_tokens,
                                     concurrency=concurrency, progress=progress, what="plain greedy on vLLM")

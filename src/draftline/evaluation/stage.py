@@ -133,16 +133,15 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
             metrics.update({"eval/measured/acceptance_length_low": interval.low,
                             "eval/measured/acceptance_length_high": interval.high,
                             "eval/measured/confidence": cfg.confidence})
-            say(f"[draftline] measured {interval.text()} on {interval.n} prompts ({cfg.confidence:.0%} interval, "
+            say(f"measured {interval.text()} on {interval.n} prompts ({cfg.confidence:.0%} interval, "
                 f"width {interval.width:.2f}; {backend})")
         recommended = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
         metrics[evidence.RECOMMENDED_K] = float(recommended)
         if chain.mismatches:
             first = chain.mismatches[0]
-            print(f"[draftline] BUG: speculative decoding changed the output on {len(chain.mismatches)} of "
+            say(f"BUG: speculative decoding changed the output on {len(chain.mismatches)} of "
                   f"{n_prompts} prompts (first: prompt {first['prompt']}, token {first['position']}: verifier "
-                  f"{first['expected']}, got {first['got']}); greedy speculative decoding must be lossless",
-                  file=sys.stderr, flush=True)
+                  f"{first['expected']}, got {first['got']}); greedy speculative decoding must be lossless")
 
     dataset = lineage.data_set(manifest, data_name)
     tags = {"draftline.evaluate.target": cfg.target, "draftline.evaluate.kind": target.kind,

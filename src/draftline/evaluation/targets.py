@@ -53,11 +53,12 @@ def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str
     """Find ``ref`` on local disk (downloading from MLflow where it lives there)."""
     from mlflow import MlflowClient
 
-    from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
+    from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
     from draftline.drafter.handoff import fetch_weights, write_weights
     from draftline.drafter.model import LAYER_FILE
     from draftline.drafter.parents import resolve_init
     from draftline.registry import lineage
+    from draftline.util import files_digest
 
     client = MlflowClient()
     run = _finetune_run(client, ref.strip())
@@ -74,14 +75,14 @@ def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str
             where = dest / "weights"
         files = find_checkpoint(where)
         return Target(ref=ref, kind="finetune-run", name=f"runs:/{run.info.run_id} ({checkpoint}, step {step})",
-                      path=where, sha256=sha256_files(files.weights), layout="speculators",
+                      path=where, sha256=files_digest(files.weights), layout="speculators",
                       run_id=run.info.run_id, step=step, layer=layer)
     parent = resolve_init(ref, cache=cache)
     if parent.is_random:
         raise DataError("target random is not a drafter: pass a finetune run, a models:/ URI or a parent")
     files = find_checkpoint(parent.path)
     layout = detect_layout(read_header(files))
-    sha = sha256_files(files.weights)
+    sha = files_digest(files.weights)
     model_id = lineage.parent_model_id(client, parent, sha256=sha, layout=layout, experiment_id=experiment_id)
     return Target(ref=ref, kind="registered" if parent.model_version else "external",
                   name=parent.model_version or parent.name, path=parent.path, sha256=sha, layout=layout,

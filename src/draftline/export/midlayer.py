@@ -5,6 +5,7 @@ bit-identical weights, and the layer it describes must be the exported drafter's
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -56,3 +57,17 @@ def check_reload(model, out: Path, verifier: str) -> dict[str, int]:
             raise CheckpointError(f"export validation failed: {key} in {out} differs from the drafter's {target}")
         n += 1
     return {"tensors": n}
+
+
+def write_midlayer(model, out: Path, params: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    from draftline.drafter.checkpoints import to_midlayer_layout
+    from draftline.drafter.shape import specforge_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = to_midlayer_layout({k: v.detach().contiguous() for k, v in model.state_dict().items()})
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = specforge_config(model.config.transformer_layer_config, draft_vocab_size=model.draft_vocab_size,
+                           aux_layer_ids=json.loads(params["verifier.aux_layers"]))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 from draftline.config import cache_root
 from draftline.errors import DraftlineError, VerificationError
 from draftline.registry.retry import retrying, unavailable
-from draftline.util import atomic_write_text, file_sha256
+from draftline.util import atomic_write_text, file_sha256, manifest_digest
 
 CHECKSUMS = "checksums.json"
 _CHUNK = 8 << 20
@@ -225,7 +225,7 @@ def verify_directory(directory: Path) -> dict:
                                     "altered; pull the version again")
         total += path.stat().st_size
     return {"path": str(directory.absolute()), "files": len(manifest), "bytes": total,
-            "manifest_sha256": manifest_digest_of(manifest)}
+            "manifest_sha256": manifest_digest(manifest)}
 
 
 def _safe_names(manifest: dict[str, str], root: Path) -> None:
@@ -237,19 +237,14 @@ def _safe_names(manifest: dict[str, str], root: Path) -> None:
             raise VerificationError(f"{CHECKSUMS} gives {name!r} no sha256; refusing it")
 
 
-def manifest_digest_of(manifest: dict[str, str]) -> str:
-    """One sha256 naming a whole export: over its sorted (file, sha256) pairs (the ``export.sha256`` tag)."""
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
-
-
 def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progress: bool = True,
-                    manifest_digest: str | None = None, manifest: dict | None = None) -> dict:
+                    expected_digest: str | None = None, manifest: dict | None = None) -> dict:
     """Assemble the export at ``base_uri`` into ``dest``, every file verified; returns what was transferred.
 
-    With ``manifest_digest`` (the version's ``export.sha256`` tag, set by the registry at export time),
+    With ``expected_digest`` (the version's ``export.sha256`` tag, set by the registry at export time),
     ``checksums.json`` itself must match it, so rewriting a file and its checksum in the store is caught too.
     ``manifest`` (the version's ``export.checksums`` tag) saves reading ``checksums.json`` from the store; it
-    must match ``manifest_digest`` just the same, and is what DEST's ``checksums.json`` holds.
+    must match ``expected_digest`` just the same, and is what DEST's ``checksums.json`` holds.
     ``dest`` is replaced only once everything is in place; on any failure it is left as it was.
     """
 
@@ -269,13 +264,13 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
             _quiet_mlflow():
         staging = Path(staging)
         repo = artifact_repository(base_uri)
-        if manifest is None or not manifest_digest:
+        if manifest is None or not expected_digest:
             manifest = retrying(f"download {CHECKSUMS} of {base_uri}", lambda: _read_manifest(base_uri, staging))
         else:
             atomic_write_text(staging / CHECKSUMS, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if not isinstance(manifest, dict):
             raise VerificationError(f"{CHECKSUMS} of {base_uri} is not a mapping of file: sha256")
-        if manifest_digest and manifest_digest_of(manifest) != manifest_digest:
+        if expected_digest and manifest_digest(manifest) != expected_digest:
             raise VerificationError(f"{CHECKSUMS} of {base_uri} does not match the export.sha256 the registry "
                                     "recorded at export time: the stored files were rewritten; refusing them")
         _safe_names(manifest, staging.resolve())

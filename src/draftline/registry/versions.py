@@ -174,7 +174,7 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     source = retrying(f"locate the files of models:/{name}/{mv.version}", lambda: _files_of(client, name, mv))
     stats = fetch_directory(source, local,
                             cache=BlobCache() if use_cache else None,
-                            manifest_digest=mv.tags.get("export.sha256"),
+                            expected_digest=mv.tags.get("export.sha256"),
                             manifest=_tagged_manifest(mv.tags.get(CHECKSUMS_TAG)))
     config = json.loads((local / "config.json").read_text())
     served = config["speculators_config"]["verifier"]["name_or_path"]

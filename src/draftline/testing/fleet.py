@@ -32,9 +32,9 @@ def publish(client, name: str, versions: int, mib: int, root: Path) -> dict[str,
     checksums manifest}``."""
     import mlflow
 
-    from draftline.registry.transfer import CHECKSUMS, manifest_digest_of
+    from draftline.registry.transfer import CHECKSUMS
     from draftline.registry.versions import checksums_tag
-    from draftline.util import file_sha256
+    from draftline.util import file_sha256, manifest_digest
 
     try:
         client.create_registered_model(name)
@@ -53,7 +53,7 @@ def publish(client, name: str, versions: int, mib: int, root: Path) -> dict[str,
         with mlflow.start_run() as run:
             mlflow.log_artifacts(str(d), "drafter")
         mv = client.create_model_version(name, f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id,
-                                         tags={**TAGS, "export.sha256": manifest_digest_of(manifest),
+                                         tags={**TAGS, "export.sha256": manifest_digest(manifest),
                                                **checksums_tag(manifest)})
         out[str(mv.version)] = manifest
     return out

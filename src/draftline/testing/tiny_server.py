@@ -78,7 +78,8 @@ class ServerState:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
-def create_app(model_dir: str | Path, *, served_model_name: str | None = None, fail_every: int | None = None,
+def create_app(  # noqa: C901  (the routes of the test server, one closure each)
+        model_dir: str | Path, *, served_model_name: str | None = None, fail_every: int | None = None,
                fail_after: int | None = None, api_key: str | None = None, state: ServerState | None = None,
                hidden_states_dir: str | Path | None = None, aux_layer_ids: list[int] | None = None,
                max_batch: int = 32, batch_wait_s: float = 0.1,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
 from draftline.config import FinetuneConfig, work_dir
+from draftline.console import say
 from draftline.drafter import handoff
 from draftline.drafter.model import LAYER_FILE, PAIRING
 from draftline.drafter.shape import aux_layer_ids, key_remap, layer_config
@@ -132,7 +132,7 @@ def log_accuracy_chart(run_id: str, ttt_steps: int) -> None:
     try:
         import matplotlib
     except ImportError:
-        print("[draftline] per_position_accuracy.png not drawn: matplotlib is not installed", file=sys.stderr)
+        say("per_position_accuracy.png not drawn: matplotlib is not installed")
         return
 
     matplotlib.use("Agg")
@@ -178,17 +178,17 @@ def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, dr
                                   precision=cfg.precision, attn_impl=cfg.attn_impl, zero_stage=cfg.zero_stage,
                                   name=f"verifier {verifier}, draft vocabulary {draft_vocab_size}")
     except Exception as e:  # noqa: BLE001 (an estimate must not stop a training run)
-        print(f"[draftline] plan: not computed ({type(e).__name__}: {e})", file=sys.stderr)
+        say(f"plan: not computed ({type(e).__name__}: {e})")
         fits = "error"
     else:
         stage = plan["stages"][str(cfg.zero_stage)]
         fits = "unchecked" if plan["fits"] is None else str(plan["fits"]).lower()
-        print(f"[draftline] plan: ZeRO-{cfg.zero_stage} needs {planning.gib(stage['total'])} GiB per GPU "
+        say(f"plan: ZeRO-{cfg.zero_stage} needs {planning.gib(stage['total'])} GiB per GPU "
               f"({plan['trainable']:,} trainable parameters); fits: {fits}. Full table: plan.json in the run, "
-              "or `draftline plan`", file=sys.stderr)
+              "or `draftline plan`")
         err = planning.fit_error(plan, cfg.zero_stage)
         if err:
-            print(f"[draftline] plan: WARNING {err}", file=sys.stderr)
+            say(f"plan: WARNING {err}")
         mlflow.log_dict(plan, "plan.json")
     if "plan.fits" not in mlflow.get_run(run_id).data.params:  # a resumed run keeps its first plan's verdict
         log_params_once({"plan.fits": fits}, run_id)
@@ -223,9 +223,10 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     from draftline import tracking
     from draftline.data.refs import dataset_name, resolve_data
     from draftline.data.shards import open_prepared
-    from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header, sha256_files
+    from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
     from draftline.drafter.parents import resolve_init
     from draftline.train.launcher import launch, resolve_ranks
+    from draftline.util import files_digest
 
     tracking.setup()
     ranks, on_cpu = resolve_ranks(cfg.gpus)
@@ -277,12 +278,11 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune from {parent.name}",
                                                run_id=resume_run, system_metrics=True) as active:
         run_id = active.info.run_id
-        print(f"[draftline] finetune run {run_id}: {tracking.run_link(active.info.experiment_id, run_id)}",
-              file=sys.stderr, flush=True)
+        say(f"finetune run {run_id}: {tracking.run_link(active.info.experiment_id, run_id)}")
         work = work_dir() / run_id
         work.mkdir(parents=True, exist_ok=True)
         if files:
-            sha = sha256_files(files.weights)
+            sha = files_digest(files.weights)
         vocab_file = work / "vocab.safetensors"
         save_file({"d2t": vocab["d2t"].contiguous(), "t2d": vocab["t2d"].contiguous()}, str(vocab_file))
 
@@ -366,9 +366,8 @@ def hand_off(ckpt_dir: Path, out: Path, layer: dict, meta: dict) -> dict:
     handoff.write_weights(handoff.consolidate(ckpt_dir, selected["tag"]), out, layer=layer, selected=selected)
     lineage.write_json(out / lineage.METADATA_FILE, meta)
     best = selected.get("best")
-    print(f"[draftline] handing on the {selected['selected']} checkpoint (step {selected['step']}"
-          + (f", {best['metric']} {best['value']:.3f}" if best else "") + f"); newest step {selected['last_step']}",
-          file=sys.stderr, flush=True)
+    say(f"handing on the {selected['selected']} checkpoint (step {selected['step']}"
+          + (f", {best['metric']} {best['value']:.3f}" if best else "") + f"); newest step {selected['last_step']}")
     return selected
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
+
+from draftline.console import say
 
 
 class MetricsFile:
@@ -92,16 +93,15 @@ class Relay:
                 self.failures += 1
                 if not self.outage_reported:
                     self.outage_reported = True
-                    print(f"[draftline] tracking server unreachable ({type(e).__name__}); training goes on, "
-                          f"metrics wait in {self.path} and are delivered when it returns", file=sys.stderr,
-                          flush=True)
+                    say(f"tracking server unreachable ({type(e).__name__}); training goes on, "
+                          f"metrics wait in {self.path} and are delivered when it returns")
                 return False
             self.offset = pos
             self.delivered += 1
             self.mark.write_text(str(pos))
         if self.outage_reported:
             self.outage_reported = False
-            print("[draftline] tracking server back: buffered metrics delivered", file=sys.stderr, flush=True)
+            say("tracking server back: buffered metrics delivered")
         return True
 
     def _run(self) -> None:
@@ -121,8 +121,8 @@ class Relay:
         deadline, delay = time.monotonic() + wait_s, 1.0
         while not self.deliver_once():
             if time.monotonic() >= deadline:
-                print(f"[draftline] some metrics are not delivered yet: they stay in {self.path} and are "
-                      "delivered by `draftline finetune --resume` of this run", file=sys.stderr, flush=True)
+                say(f"some metrics are not delivered yet: they stay in {self.path} and are "
+                      "delivered by `draftline finetune --resume` of this run")
                 return False
             time.sleep(delay)
             delay = min(delay * 2, 15.0)

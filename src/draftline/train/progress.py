@@ -75,7 +75,9 @@ class Progress:
             parts.append(f"ETA {_clock((self.total - step) * (now - t0) / (step - first_step))}")
         else:
             parts.append("ETA …")
-        return "[draftline] " + "  ".join(parts)
+        from draftline.console import PREFIX
+
+        return PREFIX + "  ".join(parts)
 
     def write(self, text: str) -> None:
         """Other output (the ranks' lines): above the live line."""

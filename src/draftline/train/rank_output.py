@@ -13,7 +13,7 @@ from pathlib import Path
 
 _PREFIX = re.compile(r"^(\[rank\d+\]:\s?)")  # torch.distributed prefixes a rank's lines with [rankN]:
 _END = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*|^[A-Za-z_][\w.]*: ")
-OWN = "[draftline]"
+OWN = "[draftline]"  # console.PREFIX without its space
 
 
 def _level(verbose: bool | None) -> str:

@@ -19,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+from draftline.console import say
 from draftline.errors import Interrupted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -79,13 +80,13 @@ class Stopper:
         if self.signum is None:
             self.signum = signum
             self.stop_file.write_text(signal.Signals(signum).name + "\n")
-            print(f"[draftline] {signal.Signals(signum).name}: the ranks save a checkpoint and stop after this "
-                  f"step (send it again to stop at once)", file=sys.stderr, flush=True)
+            say(f"{signal.Signals(signum).name}: the ranks save a checkpoint and stop after this "
+                  f"step (send it again to stop at once)")
             self._timer = threading.Timer(self.grace_s, self.terminate)
             self._timer.daemon = True
             self._timer.start()
         else:
-            print("[draftline] second signal: ending the ranks now", file=sys.stderr, flush=True)
+            say("second signal: ending the ranks now")
             self.terminate()
 
     def terminate(self) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from draftline.console import say
 from draftline.train.spec import WorkerSpec
 
 
@@ -92,7 +93,7 @@ def no_shm_allreduce() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def train(spec: WorkerSpec) -> None:
+def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one place, as nanoGPT keeps it)
     import deepspeed
     from mlflow import MlflowClient
 
@@ -166,7 +167,7 @@ def train(spec: WorkerSpec) -> None:
         _, client_state = engine.load_checkpoint(str(ckpt_dir))
         start_step = int((client_state or {}).get("step", 0))
         if rank == 0:
-            print(f"[draftline] resumed from {ckpt_dir} at step {start_step}", flush=True)
+            say(f"resumed from {ckpt_dir} at step {start_step}")
 
     best = read_best(ckpt_dir)
     stop = install_rank_handlers()  # SIGTERM/SIGINT, or the launcher's stop file: save, then exit
@@ -231,7 +232,7 @@ def train(spec: WorkerSpec) -> None:
                         shutil.rmtree(old, ignore_errors=True)
         if stop["now"]:
             if rank == 0:
-                print(f"[draftline] stop requested: saved step {step}", flush=True)
+                say(f"stop requested: saved step {step}")
             sys.exit(143)
 
 

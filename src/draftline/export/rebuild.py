@@ -1,0 +1,32 @@
+"""The finetuned drafter rebuilt from a finetune run's consolidated weights, for the verifier on this host."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from draftline.errors import CheckpointError
+
+
+def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], layer: dict | None = None):
+    """A fresh drafter for the run's verifier, decoder layer and vocabulary, with the consolidated weights."""
+    from draftline.drafter.checkpoints import VERIFIER_OWNED
+    from draftline.drafter.model import build_draft_model
+
+    aux = json.loads(params["verifier.aux_layers"])
+    model = build_draft_model(local_verifier(params), d2t=state["d2t"], t2d=state["t2d"],
+                              aux_layer_ids=aux, draft_vocab_size=int(state["d2t"].numel()),
+                              ttt_steps=int(params["ttt_steps"]), dtype=torch.bfloat16, layer=layer)
+    expected = {k for k in model.state_dict() if k not in VERIFIER_OWNED}
+    missing = sorted(expected - set(state))
+    if missing:
+        raise CheckpointError(f"the consolidated checkpoint lacks {', '.join(missing)}")
+    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+    return model.eval()
+
+
+def local_verifier(params: dict[str, str]) -> str:
+    """Where the finetune run's verifier lies on this host (runs from before ``verifier.path`` kept it in
+    ``verifier.name_or_path``)."""
+    return params.get("verifier.path") or params["verifier.name_or_path"]

@@ -1,0 +1,65 @@
+"""An export checked before it is registered: reloaded through speculators (identical weights, identical
+drafts), and loaded and drafted with by real vLLM beside the verifier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from draftline.errors import CheckpointError
+
+
+def validate(model, out: Path, seed: int = 0, verifier_path: str | None = None) -> None:
+    """Reload ``out`` with speculators and require identical weights and identical outputs on a batch.
+    ``verifier_path``: where the verifier lies on this host (the config names it by its serving id)."""
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    from draftline.drafter.model import pack
+
+    config = Eagle3SpeculatorConfig.from_pretrained(str(out))
+    config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (not saved; flex needs a GPU)
+    if verifier_path:  # speculators loads the verifier's embeddings and head by this name
+        config.speculators_config.verifier.name_or_path = verifier_path
+    reloaded = Eagle3DraftModel.from_pretrained(str(out), config=config).to(torch.bfloat16).eval()
+    ours, theirs = model.state_dict(), reloaded.state_dict()
+    for key in (k for k in ours if k in theirs):
+        if not torch.equal(ours[key].cpu(), theirs[key].cpu()):
+            raise CheckpointError(f"export validation failed: {key} differs after reloading {out}")
+    g = torch.Generator().manual_seed(seed)
+    n, h = 33, model.hidden_size
+    aux = len(model.config.eagle_aux_hidden_state_layer_ids)
+    sample = {"input_ids": torch.randint(0, model.verifier_vocab_size, (n,), generator=g),
+              "loss_mask": torch.ones(n, dtype=torch.bool),
+              "hidden_states": torch.randn(n, aux * h, generator=g).to(torch.bfloat16),
+              "verifier_last_hidden_states": torch.randn(n, h, generator=g).to(torch.bfloat16)}
+    batch = pack([sample])  # in the pairing vLLM serves, as in training
+    del batch["loss_mask"], batch["verifier_last_hidden_states"]
+    with torch.no_grad():
+        a, b = model(**batch, ttt_steps=3), reloaded(**batch, ttt_steps=3)
+    if not all(torch.equal(x, y) for x, y in zip(a, b)):
+        raise CheckpointError(f"export validation failed: the reloaded drafter in {out} drafts other tokens")
+
+
+def check_in_vllm(mode: str, out: Path, verifier_dir: str, k: int) -> str:
+    """Load the export in real vLLM beside the verifier and draft with it (``mode`` auto|on|off); what happened,
+    in words, for the ``export.vllm_check`` tag. A refusal by vLLM raises, naming vLLM's own error."""
+    from draftline.console import say
+    from draftline.serving.engine import vllm_python
+
+    if mode == "off":
+        return "off"
+    python = vllm_python(required=mode == "on")
+    if python is None:
+        return "skipped: no vLLM venv (./setup.sh --vllm)"
+    from draftline.serving.checks import check_serves
+    from draftline.serving.engine import EngineError
+
+    say(f"loading the export in vLLM beside {verifier_dir} (k={k}) ...")
+    try:
+        found = check_serves(out, verifier_dir, k=k, python=python)
+    except EngineError as e:
+        raise CheckpointError(f"export validation failed: vLLM refuses this drafter ({e}); nothing was "
+                              "registered") from None
+    say(f"vLLM served the export: {found['drafts']} drafts in {found['seconds']} s")
+    return f"passed: {found['drafts']} drafts, acceptance length {found['acceptance_length']} on probe prompts"
