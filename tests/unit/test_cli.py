@@ -47,8 +47,8 @@ def _data_for_another_verifier(prepared, tmp_path, **changes):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"aux_layer_ids": [1, 3, 5]}, "reads aux layers [2, 4, 5] but the data has [1, 3, 5]: prepare the data with "
-                                   "--aux-layers 2,4,5"),
+    ({"aux_layer_ids": [1, 3, 5]}, "the data has aux layers [1, 3, 5] but parent tiny reads [2, 4, 5]: prepare the "
+                                   "data with --aux-layers 2,4,5"),
     ({"hidden_size": 256}, "parent tiny was trained for a verifier with hidden size 128, but the data was prepared"),
 ])
 def test_data_for_another_verifier_or_other_aux_layers_is_refused(run, workspace, prepared, tmp_path, changes,

@@ -262,10 +262,7 @@ def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
         run_id = active.info.run_id
         manifest = build_data(cfg, out, progress=progress, key=key)
         tracking.log_params_once({
-            "verifier.name_or_path": manifest.get("verifier_id") or manifest["verifier"],
-            "verifier.path": manifest["verifier"],
-            "verifier.revision": manifest.get("verifier_revision") or "none",
-            "verifier.aux_layers": manifest["aux_layer_ids"],
+            **lineage.verifier_params(manifest),
             "data.source": manifest["source"],
             "data.max_length": cfg.max_length,
             "data.max_samples": cfg.max_samples,

@@ -22,8 +22,8 @@ def load_drafter(verifier_dir: str | Path, drafter_dir: str | Path, *, aux_layer
     from draftline.drafter.checkpoints import find_checkpoint, load_into_model, read_tensors
     from draftline.drafter.model import build_draft_model
     from draftline.drafter.shape import aux_layer_ids as aux_of
-    from draftline.drafter.shape import default_aux_layers, layer_config
-    from draftline.errors import CheckpointError, DataError
+    from draftline.drafter.shape import default_aux_layers, layer_config, require_aux_layers
+    from draftline.errors import CheckpointError
 
     drafter_dir = Path(drafter_dir)
     name = name or str(drafter_dir)
@@ -33,9 +33,8 @@ def load_drafter(verifier_dir: str | Path, drafter_dir: str | Path, *, aux_layer
         raise CheckpointError(f"drafter {name} has no d2t/t2d: not an EAGLE-3 drafter with a draft vocabulary")
     config = files.config or {}
     own = aux_of(config)
-    if aux_layer_ids is not None and own and own != list(aux_layer_ids):
-        raise DataError(f"drafter {name} reads aux layers {own} but the data has {list(aux_layer_ids)}: "
-                        f"prepare it with --aux-layers {','.join(map(str, own))}")
+    if aux_layer_ids is not None:
+        require_aux_layers(f"drafter {name}", own, aux_layer_ids)
     aux = list(aux_layer_ids) if aux_layer_ids is not None else own or default_aux_layers(
         json.loads((Path(verifier_dir) / "config.json").read_text())["num_hidden_layers"])
     model = build_draft_model(str(verifier_dir), d2t=vocab["d2t"], t2d=vocab["t2d"], aux_layer_ids=aux,

@@ -36,6 +36,16 @@ def key_remap(layout: str) -> str:
     return MIDLAYER_REMAP if layout == "midlayer" else "none"
 
 
+def require_aux_layers(drafter: str, reads: list[int] | None, data: list[int]) -> None:
+    """The one check that data captured from the verifier's layers ``data`` feeds a drafter that reads
+    ``reads`` (``None``: the drafter records none and takes the data's)."""
+    from draftline.errors import DataError
+
+    if reads and list(reads) != list(data):
+        raise DataError(f"the data has aux layers {list(data)} but {drafter} reads {list(reads)}: prepare the data "
+                        f"with --aux-layers {','.join(map(str, reads))}")
+
+
 def aux_layer_ids(config: dict) -> list[int] | None:
     """The verifier layers a drafter reads, from a speculators config or a SpecForge one (``eagle_config``)."""
     for holder in (config, config.get("eagle_config") or {}):

@@ -154,7 +154,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
             "target": cfg.target, "target.kind": target.kind, "target.sha256": target.sha256,
             "target.layout": target.layout, "checkpoint": cfg.checkpoint if target.run_id else "none",
             "data.digest": manifest["digest"], "data.name": data_name, "data.uri": cfg.data,
-            "verifier.name_or_path": manifest.get("verifier_id") or manifest["verifier"],
+            **lineage.verifier_params(manifest),
             "num_speculative_tokens": cfg.num_speculative_tokens, "max_new_tokens": cfg.max_new_tokens,
             "prompts": n_prompts, "backend": backend, "draft_cost_ratio": cfg.draft_cost_ratio})
         mlflow.log_input(dataset, context="evaluation", tags=lineage.data_set_tags(manifest))

@@ -92,6 +92,15 @@ def environment_tags() -> dict[str, str]:
     return tags
 
 
+def verifier_params(manifest: dict) -> dict[str, object]:
+    """The ``verifier.*`` params of every stage's run, from a prepared set's manifest: the id serving hosts load
+    the verifier by, where it lay on the host that prepared the data, its revision, the aux layers captured."""
+    return {"verifier.name_or_path": manifest.get("verifier_id") or manifest["verifier"],
+            "verifier.path": manifest["verifier"],
+            "verifier.revision": manifest.get("verifier_revision") or "none",
+            "verifier.aux_layers": manifest["aux_layer_ids"]}
+
+
 def parent_params(parent, *, sha256: str, layout: str, key_remap: str) -> dict[str, str]:
     return {
         "init": parent.init,

@@ -16,9 +16,10 @@ from draftline.config import FinetuneConfig, work_dir
 from draftline.console import say
 from draftline.drafter import handoff
 from draftline.drafter.model import LAYER_FILE, PAIRING
-from draftline.drafter.shape import aux_layer_ids, key_remap, layer_config
+from draftline.drafter.shape import key_remap, layer_config
 from draftline.errors import CheckpointError, DataError
 from draftline.registry import lineage
+from draftline.train import preflight
 from draftline.train.spec import WorkerSpec
 
 
@@ -60,43 +61,9 @@ def optimizer_params(conf: dict) -> dict[str, object]:
             "optimizer.grad_clip": conf.get("gradient_clipping")}
 
 
-def check_parent_fits_data(name: str, header: dict, manifest: dict) -> None:
-    """Refuse, before any rank starts, data prepared with a verifier of another shape than the parent's."""
-    theirs = {}
-    if "fc.weight" in header:
-        theirs["hidden size"] = header["fc.weight"][0][0]
-    if "t2d" in header:
-        theirs["vocabulary"] = header["t2d"][0][0]
-    ours = {"hidden size": manifest["hidden_size"], "vocabulary": manifest["vocab_size"]}
-    wrong = [k for k in theirs if theirs[k] != ours[k]]
-    if wrong:
-        got = ", ".join(f"{k} {theirs[k]}" for k in wrong)
-        want = ", ".join(f"{k} {ours[k]}" for k in wrong)
-        raise DataError(f"parent {name} was trained for a verifier with {got}, but the data was prepared with "
-                        f"{manifest.get('verifier_name') or manifest['verifier']} ({want}): prepare the data with "
-                        "the parent's verifier, or choose a parent made for this one")
-
-
-def check_parent_config_matches_weights(name: str, config: dict | None, header: dict) -> None:
-    """Refuse a parent whose config.json describes another shape than its weights (the config of another
-    checkpoint beside these weights would build a drafter the weights do not fit, or silently reshape it)."""
-    layer = (config or {}).get("transformer_layer_config") or config or {}
-    shape = {k: v[0] for k, v in header.items()}
-    found = {"hidden size": shape.get("fc.weight", [None])[0]}
-    for prefix in ("layers.0.", "midlayer."):
-        if f"{prefix}mlp.gate_proj.weight" in shape:
-            found["intermediate size"] = shape[f"{prefix}mlp.gate_proj.weight"][0]
-    said = {"hidden size": layer.get("hidden_size"), "intermediate size": layer.get("intermediate_size")}
-    wrong = [k for k, v in found.items() if v is not None and said.get(k) is not None and said[k] != v]
-    if wrong:
-        raise CheckpointError(f"parent {name}: its config.json says " + ", ".join(f"{k} {said[k]}" for k in wrong)
-                              + " but its weights have " + ", ".join(f"{k} {found[k]}" for k in wrong)
-                              + ": the config.json belongs to another checkpoint; put the weights' own config "
-                              "beside them")
-
-
 def choose_vocab(cfg: FinetuneConfig, files, data, verifier_vocab: int) -> tuple[dict, dict[str, int]]:
-    """``({"d2t", "t2d"}, counts)`` by the vocabulary policy."""
+    """``({"d2t", "t2d"}, counts)`` by the vocabulary policy; a rebuilt vocabulary over a parent's also carries
+    ``new_rows_from_old`` (the remap planned here, once: the ranks apply it to the parent's ``lm_head``)."""
     from draftline.drafter.checkpoints import read_tensors
     from draftline.drafter.vocab import build_vocab, plan_remap
 
@@ -120,10 +87,12 @@ def choose_vocab(cfg: FinetuneConfig, files, data, verifier_vocab: int) -> tuple
         raise DataError(f"draft_vocab_size={size} exceeds the verifier's vocabulary ({verifier_vocab})")
     new_d2t, new_t2d = build_vocab(data.token_freqs(), size)
     counts = {"draft_size": size, "kept": 0, "added": size, "dropped": 0}
+    vocab = {"d2t": new_d2t, "t2d": new_t2d}
     if files:
         plan = plan_remap(parent_vocab["d2t"], new_d2t)
         counts.update(kept=plan.kept, added=plan.added, dropped=plan.dropped)
-    return {"d2t": new_d2t, "t2d": new_t2d}, counts
+        vocab["new_rows_from_old"] = plan.new_rows_from_old
+    return vocab, counts
 
 
 def log_accuracy_chart(run_id: str, ttt_steps: int) -> None:
@@ -243,36 +212,21 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     if eval_data is not None:
         check_same_verifier(manifest, eval_data.manifest, cfg.eval_data)
     parent = resolve_init(cfg.init, cache=work_dir() / "cache")
-    if cfg.hostfile and not Path(cfg.hostfile).is_file():
-        raise DataError(f"hostfile {cfg.hostfile} does not exist: pass --hostfile <a DeepSpeed hostfile>")
-    if cfg.ds_config and not Path(cfg.ds_config).is_file():
-        raise DataError(f"DeepSpeed config {cfg.ds_config} does not exist: pass --ds-config <a JSON file>")
-
-    # every check that needs no rank: before the run exists, so a mistake leaves no FAILED run behind
-    shortest = min(data.sample_lengths(), default=0)
-    if cfg.tokens_per_batch < shortest:
-        raise DataError(f"--tokens-per-batch {cfg.tokens_per_batch} is below the shortest sample of {cfg.data} "
-                        f"({shortest} tokens): every batch would hold one sample over budget; pass "
-                        f"--tokens-per-batch {shortest} or more")
+    # every check that needs no rank lives in train/preflight.py and runs here, before the run exists, so a
+    # mistake leaves no FAILED run behind
+    preflight.check_inputs(cfg, data)
     files, layout, sha, remap, header = None, "none", "none", "none", None
     if not parent.is_random:
         files = find_checkpoint(parent.path, allow_pickle=cfg.allow_pickle)
         header = read_header(files)
         layout = detect_layout(header)
-        check_parent_config_matches_weights(parent.name, files.config, header)
-        check_parent_fits_data(parent.name, header, manifest)
+        preflight.check_parent_files(parent.name, files, header, manifest)
         remap = key_remap(layout)
-        p_aux = aux_layer_ids(files.config)
-        if p_aux and p_aux != manifest["aux_layer_ids"]:
-            raise DataError(f"parent {parent.name} reads aux layers {p_aux} but the data has "
-                            f"{manifest['aux_layer_ids']}: prepare the data with --aux-layers "
-                            f"{','.join(map(str, p_aux))}")
     vocab, counts = choose_vocab(cfg, files, data, manifest["vocab_size"])
     layer = layer_config(manifest["verifier"], files.config if files else None)
-    from draftline.train.preflight import preflight  # every check a rank would make, before hashing/launch
-
-    preflight(verifier=manifest["verifier"], layer=layer, manifest=manifest, vocab=vocab,
-              parent_files=files, header=header, vocab_policy=cfg.vocab)
+    # every check a rank would make (keys, shapes, vocabulary, aux layers), before hashing and launch
+    preflight.preflight(verifier=manifest["verifier"], layer=layer, manifest=manifest, vocab=vocab,
+                        parent_files=files, header=header, vocab_policy=cfg.vocab, parent_name=parent.name)
     conf = ds_config(cfg)
 
     with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune from {parent.name}",
@@ -284,17 +238,14 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
         if files:
             sha = files_digest(files.weights)
         vocab_file = work / "vocab.safetensors"
-        save_file({"d2t": vocab["d2t"].contiguous(), "t2d": vocab["t2d"].contiguous()}, str(vocab_file))
+        save_file({k: v.contiguous() for k, v in vocab.items()}, str(vocab_file))
 
         params = {
             **lineage.parent_params(parent, sha256=sha, layout=layout, key_remap=remap),
             "vocab.policy": cfg.vocab if not parent.is_random else "rebuild",
             "vocab.draft_size": counts["draft_size"],
             "vocab.kept": counts["kept"], "vocab.added": counts["added"], "vocab.dropped": counts["dropped"],
-            "verifier.name_or_path": manifest.get("verifier_id") or manifest["verifier"],
-            "verifier.revision": manifest.get("verifier_revision") or "none",
-            "verifier.path": manifest["verifier"],
-            "verifier.aux_layers": manifest["aux_layer_ids"],
+            **lineage.verifier_params(manifest),
             "data.digest": manifest["digest"],
             "data.uri": cfg.data,
             "zero.stage": cfg.zero_stage,

@@ -46,12 +46,13 @@ def check_verifier(verifier: str, layer: dict, manifest: dict) -> None:
                         f"{vc.vocab_size}: prepare the data with this verifier")
 
 
-def check_data(shapes: dict[str, tuple[int, ...]], manifest: dict, aux_layer_ids: list[int]) -> None:
+def check_data(shapes: dict[str, tuple[int, ...]], manifest: dict, aux_layer_ids: list[int],
+               drafter: str = "the drafter") -> None:
     """The data's hidden states against the drafter's input projection: ``fc`` reads aux x hidden."""
+    from draftline.drafter.shape import require_aux_layers
+
     aux = manifest["aux_layer_ids"]
-    if list(aux) != list(aux_layer_ids):
-        raise DataError(f"the data has aux layers {aux} but the drafter reads {aux_layer_ids}: prepare the data "
-                        f"with --aux-layers {','.join(map(str, aux_layer_ids))}")
+    require_aux_layers(drafter, aux_layer_ids, aux)
     want = len(aux) * manifest["hidden_size"]
     fc = shapes.get("fc.weight")
     if fc is not None and fc[1] != want:
@@ -86,8 +87,65 @@ def check_parent(files, shapes: dict[str, tuple[int, ...]], *, rebuild: bool, he
                                   "head is not in its own draft vocabulary's order; it cannot be remapped")
 
 
+def check_parent_fits_data(name: str, header: dict, manifest: dict) -> None:
+    """Refuse, before any rank starts, data prepared with a verifier of another shape than the parent's."""
+    theirs = {}
+    if "fc.weight" in header:
+        theirs["hidden size"] = header["fc.weight"][0][0]
+    if "t2d" in header:
+        theirs["vocabulary"] = header["t2d"][0][0]
+    ours = {"hidden size": manifest["hidden_size"], "vocabulary": manifest["vocab_size"]}
+    wrong = [k for k in theirs if theirs[k] != ours[k]]
+    if wrong:
+        got = ", ".join(f"{k} {theirs[k]}" for k in wrong)
+        want = ", ".join(f"{k} {ours[k]}" for k in wrong)
+        raise DataError(f"parent {name} was trained for a verifier with {got}, but the data was prepared with "
+                        f"{manifest.get('verifier_name') or manifest['verifier']} ({want}): prepare the data with "
+                        "the parent's verifier, or choose a parent made for this one")
+
+
+def check_parent_config_matches_weights(name: str, config: dict | None, header: dict) -> None:
+    """Refuse a parent whose config.json describes another shape than its weights (the config of another
+    checkpoint beside these weights would build a drafter the weights do not fit, or silently reshape it)."""
+    layer = (config or {}).get("transformer_layer_config") or config or {}
+    shape = {k: v[0] for k, v in header.items()}
+    found = {"hidden size": shape.get("fc.weight", [None])[0]}
+    for prefix in ("layers.0.", "midlayer."):
+        if f"{prefix}mlp.gate_proj.weight" in shape:
+            found["intermediate size"] = shape[f"{prefix}mlp.gate_proj.weight"][0]
+    said = {"hidden size": layer.get("hidden_size"), "intermediate size": layer.get("intermediate_size")}
+    wrong = [k for k, v in found.items() if v is not None and said.get(k) is not None and said[k] != v]
+    if wrong:
+        raise CheckpointError(f"parent {name}: its config.json says " + ", ".join(f"{k} {said[k]}" for k in wrong)
+                              + " but its weights have " + ", ".join(f"{k} {found[k]}" for k in wrong)
+                              + ": the config.json belongs to another checkpoint; put the weights' own config "
+                              "beside them")
+
+
+def check_inputs(cfg, data) -> None:
+    """The finetune settings against the files they name and the data: before the run exists."""
+    from pathlib import Path
+
+    if cfg.hostfile and not Path(cfg.hostfile).is_file():
+        raise DataError(f"hostfile {cfg.hostfile} does not exist: pass --hostfile <a DeepSpeed hostfile>")
+    if cfg.ds_config and not Path(cfg.ds_config).is_file():
+        raise DataError(f"DeepSpeed config {cfg.ds_config} does not exist: pass --ds-config <a JSON file>")
+    shortest = min(data.sample_lengths(), default=0)
+    if cfg.tokens_per_batch < shortest:
+        raise DataError(f"--tokens-per-batch {cfg.tokens_per_batch} is below the shortest sample of {cfg.data} "
+                        f"({shortest} tokens): every batch would hold one sample over budget; pass "
+                        f"--tokens-per-batch {shortest} or more")
+
+
+def check_parent_files(name: str, files, header: dict, manifest: dict) -> None:
+    """A parent's own files against each other and against the data, from its headers alone."""
+    check_parent_config_matches_weights(name, files.config, header)
+    check_parent_fits_data(name, header, manifest)
+
+
 def preflight(*, verifier: str, layer: dict, manifest: dict, vocab: dict[str, torch.Tensor],
-              parent_files=None, header: dict | None = None, vocab_policy: str = "parent") -> dict[str, float]:
+              parent_files=None, header: dict | None = None, vocab_policy: str = "parent",
+              parent_name: str | None = None) -> dict[str, float]:
     """Every check before launch; returns ``{"seconds": ...}``. Raises the first problem found."""
     t0 = time.perf_counter()
     from draftline.drafter.shape import aux_layer_ids
@@ -95,7 +153,8 @@ def preflight(*, verifier: str, layer: dict, manifest: dict, vocab: dict[str, to
     aux = (aux_layer_ids(parent_files.config) if parent_files is not None else None) or manifest["aux_layer_ids"]
     check_verifier(verifier, layer, manifest)
     shapes = drafter_shapes(verifier, layer, aux_layer_ids=aux, draft_vocab_size=int(vocab["d2t"].numel()))
-    check_data(shapes, manifest, aux)
+    check_data(shapes, manifest, aux, f"parent {parent_name}" if parent_name and parent_files is not None else
+               "the drafter")
     check_vocab(vocab, shapes, manifest["vocab_size"])
     if parent_files is not None:
         check_parent(parent_files, shapes, rebuild=vocab_policy == "rebuild", header=header)

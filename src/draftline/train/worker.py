@@ -145,13 +145,11 @@ def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one pl
     if spec.parent_path:
         parent_files = find_checkpoint(spec.parent_path, allow_pickle=spec.allow_pickle)
         remap = None
-        if spec.vocab_policy == "rebuild":
-            from draftline.drafter.checkpoints import read_tensors
-            from draftline.drafter.vocab import plan_remap, remap_lm_head, verifier_head
+        if spec.vocab_policy == "rebuild":  # the remap finetune planned (vocab.safetensors: new_rows_from_old)
+            from draftline.drafter.vocab import VocabRemap, remap_lm_head, verifier_head
 
-            old_d2t = read_tensors(parent_files, {"d2t"})["d2t"]
             full_head = verifier_head(spec.verifier)
-            plan = plan_remap(old_d2t, vocab["d2t"])
+            plan = VocabRemap(new_rows_from_old=vocab["new_rows_from_old"], kept=-1, added=-1, dropped=-1)
             remap = lambda old: remap_lm_head(old, plan, vocab["d2t"], full_head)  # noqa: E731
         report = load_into_model(model, parent_files, lm_head_remap=remap)
         if rank == 0:
