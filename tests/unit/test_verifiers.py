@@ -35,6 +35,7 @@ def test_a_missing_package_names_the_install_command():
         package_gguf(entry)
 
 
+@pytest.mark.integration  # builds the real 135M verifier from its GGUF: ~23 s, in the full suite
 @needs_real
 def test_the_smollm2_build_is_a_loadable_hugging_face_directory_with_its_identity(tmp_path):
     import torch

@@ -40,44 +40,48 @@ _POLL_S = 0.02
 
 
 class _GrowingFileHasher(threading.Thread):
-    """sha256 of a file that another thread is still writing, read as it grows (from the page cache). It
-    waits ``_POLL_S`` between reads that find nothing new: a shorter wait costs a fleet of pullers sharing a
-    few cores more in system calls than the hashing itself."""
+    """sha256 of a file that another thread is still writing, read as it grows (from the page cache), and, with
+    ``tee``, the same bytes written to a second file as they are hashed: a pull that keeps a copy for the cache
+    makes it while the download runs, not after. It waits ``_POLL_S`` between reads that find nothing new: a
+    shorter wait costs a fleet of pullers sharing a few cores more in system calls than the hashing itself."""
 
-    def __init__(self, path: Path, on_bytes=None):
+    def __init__(self, path: Path, on_bytes=None, tee: Path | None = None):
         super().__init__(daemon=True)
         self.path, self.done, self.digest, self.size = path, threading.Event(), None, 0
         self.on_bytes = on_bytes or (lambda n: None)
+        self.tee = tee
 
     def run(self) -> None:
         h = hashlib.sha256()
         while not self.path.exists() and not self.done.is_set():
             time.sleep(_POLL_S)
-        with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as f:
+        with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as f, \
+                open(self.tee, "wb") if self.tee else contextlib.nullcontext() as copy:
             while True:
                 block = f.read(_CHUNK)
-                if block:
-                    h.update(block)
-                    self.size += len(block)
-                    self.on_bytes(len(block))
-                elif self.done.is_set():
-                    if not (block := f.read()):
+                if not block and self.done.is_set():
+                    block = f.read()
+                    if not block:
                         break
-                    h.update(block)
-                    self.size += len(block)
-                    self.on_bytes(len(block))
-                else:
+                elif not block:
                     time.sleep(_POLL_S)
+                    continue
+                h.update(block)
+                if copy is not None:
+                    copy.write(block)
+                self.size += len(block)
+                self.on_bytes(len(block))
         self.digest = h.hexdigest()
 
 
-def download_verified(repo, name: str, digest: str, into: Path, on_bytes=None) -> Path:
+def download_verified(repo, name: str, digest: str, into: Path, on_bytes=None, tee: Path | None = None) -> Path:
     """Download the file ``name`` of the artifact repository ``repo`` into ``into/<basename>`` and require its
     sha256 to be ``digest``. One GET: the repository's own single-file download (what its
     ``download_artifacts`` calls after listing the path to learn it is a file, a request a pull that knows its
-    files does not need)."""
+    files does not need). With ``tee``, a copy of the hashed bytes lands there too (made afresh from the
+    downloaded file if the store wrote it other than front to back)."""
     target = into / PurePosixPath(name).name
-    hasher = _GrowingFileHasher(target, on_bytes)
+    hasher = _GrowingFileHasher(target, on_bytes, tee)
     hasher.start()
     try:
         repo._download_file(remote_file_path=name, local_path=str(target))  # noqa: SLF001  (every store implements it)
@@ -87,8 +91,12 @@ def download_verified(repo, name: str, digest: str, into: Path, on_bytes=None) -
     got = hasher.digest if hasher.size == target.stat().st_size else None
     if got != digest:  # a store that writes out of order or renames at the end: hash the file once more
         got = file_sha256(target)
+        if tee and got == digest:
+            shutil.copyfile(target, tee)
     if got != digest:
         target.unlink(missing_ok=True)
+        if tee:
+            tee.unlink(missing_ok=True)
         raise VerificationError(f"{name} arrived with sha256 {got[:12]}…, not the {digest[:12]}… that "
                                 f"{CHECKSUMS} names: the stored copy was altered or corrupted; refusing it")
     return target
@@ -319,11 +327,11 @@ def _fetch_one(repo, base_uri: str, name: str, digest: str, staging: Path, cache
     target.parent.mkdir(parents=True, exist_ok=True)
     with cache.scratch() if cache else tempfile.TemporaryDirectory(prefix=".incoming-", dir=staging) as tmp:
         # a download cut off by a server restart is tried again from the start, in a folder of its own
+        # with a cache, the destination's copy is written from the hashing thread while the download runs
         local = retrying(f"download {name} from {base_uri}", lambda: download_verified(
-            repo, name, digest, Path(tempfile.mkdtemp(dir=tmp)), on_bytes))
+            repo, name, digest, Path(tempfile.mkdtemp(dir=tmp)), on_bytes, tee=target if cache else None))
         size = local.stat().st_size
-        if cache:  # the verified download goes into the destination; the cache gets a copy of its own
-            shutil.copyfile(local, target)
+        if cache:  # the destination has its own copy: the download itself goes into the cache
             cache.put(local, digest)
         else:
             os.replace(local, target)
