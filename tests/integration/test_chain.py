@@ -94,6 +94,7 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert client.get_model_version_by_alias("tiny-drafter", "production").version == "1"
     pulled = invoke("pull", "tiny-drafter", "--stage", "Production", "--dest", str(tmp_path / "pulled"), "--json")
     assert pulled["version"] == "1" and "--speculative-config" in pulled["command"]
+    assert json.loads((tmp_path / "pulled" / "checksums.json").read_text()) == json.loads(mv.tags["export.checksums"])
     assert pulled["speculative_config"]["method"] == "eagle3"
     by_alias = invoke("pull", "tiny-drafter", "--alias", "production", "--dest", str(tmp_path / "a"), "--json")
     by_version = invoke("pull", "tiny-drafter", "--version", "1", "--dest", str(tmp_path / "v"), "--json")

@@ -54,6 +54,11 @@ def test_promotion_on_evidence(server_workspace, tiny):
     assert child["lossless"] is True
     assert child["measured_acceptance_length"] > parent["measured_acceptance_length"], (child, parent)
     v1 = invoke("export", "--run", good["run_id"], "--registered-model", "ev-drafter")["version"]
+    from draftline.util import manifest_digest
+
+    tags = MlflowClient().get_model_version("ev-drafter", v1).tags  # the file list a pull reads instead of listing
+    assert manifest_digest(json.loads(tags["export.checksums"])) == tags["export.sha256"]
+    assert set(json.loads(tags["export.checksums"])) >= {"config.json", "model.safetensors", "README.md"}
     promoted = invoke("promote", "ev-drafter", v1, "--to", "Production")
     assert "PASS  eval/acceptance_length not worse than parent" in promoted
 
