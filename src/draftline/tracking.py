@@ -71,7 +71,11 @@ def experiment_id() -> str:
         return mlflow.MlflowClient().get_run(os.environ["MLFLOW_RUN_ID"]).info.experiment_id
     if os.environ.get("MLFLOW_EXPERIMENT_ID"):
         return os.environ["MLFLOW_EXPERIMENT_ID"]
-    return mlflow.get_experiment_by_name(os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT)).experiment_id
+    name = os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT)
+    experiment = mlflow.get_experiment_by_name(name)
+    if experiment is None:
+        raise TrackingError(f"no experiment {name} on {tracking_uri()}: run a stage first, or set {EXPERIMENT_ENV}")
+    return experiment.experiment_id
 
 
 def store_path(uri: str) -> Path | None:
@@ -202,7 +206,11 @@ def log_params_once(params: dict[str, object], run_id: str | None = None) -> Non
     from mlflow import MlflowClient
 
     client = MlflowClient()
-    run_id = run_id or mlflow.active_run().info.run_id
+    if run_id is None:
+        active = mlflow.active_run()
+        if active is None:
+            raise TrackingError("no MLflow run to log params to: call this inside a stage's run")
+        run_id = active.info.run_id
     existing = client.get_run(run_id).data.params
     fresh = {}
     for k, v in params.items():

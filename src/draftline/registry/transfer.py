@@ -47,7 +47,8 @@ class _GrowingFileHasher(threading.Thread):
 
     def __init__(self, path: Path, on_bytes=None, tee: Path | None = None):
         super().__init__(daemon=True)
-        self.path, self.done, self.digest, self.size = path, threading.Event(), None, 0
+        self.path, self.done, self.size = path, threading.Event(), 0
+        self.digest: str | None = None
         self.on_bytes = on_bytes or (lambda n: None)
         self.tee = tee
 
@@ -94,6 +95,7 @@ def download_verified(repo, name: str, digest: str, into: Path, on_bytes=None, t
         if tee and got == digest:
             shutil.copyfile(target, tee)
     if got != digest:
+        got = got or "nothing"
         target.unlink(missing_ok=True)
         if tee:
             tee.unlink(missing_ok=True)
@@ -162,7 +164,7 @@ def sweep_scratch(folder: Path, kind: str) -> list[Path]:
     """Remove the scratch folders ``kind*`` in ``folder`` whose maker is gone: made on this host by a process
     that no longer runs (a puller killed with -9 cleans nothing up), or older than a day (made elsewhere: pods
     on one node share a cache but not a process table). Returns what it removed."""
-    host, removed = socket.gethostname(), []
+    host, removed = socket.gethostname(), list[Path]()
     try:
         entries = [e for e in folder.iterdir() if e.name.startswith(kind) and e.is_dir()]
     except OSError:
@@ -268,9 +270,9 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
                                  "or fix its permissions; nothing was downloaded")
     stats = {"files": 0, "downloaded_bytes": 0, "cached_bytes": 0}
     sweep_scratch(dest.parent, f".{dest.name}.partial-")
-    with tempfile.TemporaryDirectory(prefix=scratch_prefix(f".{dest.name}.partial-"), dir=dest.parent) as staging, \
+    with tempfile.TemporaryDirectory(prefix=scratch_prefix(f".{dest.name}.partial-"), dir=dest.parent) as scratch, \
             _quiet_mlflow():
-        staging = Path(staging)
+        staging = Path(scratch)
         repo = artifact_repository(base_uri)
         if manifest is None or not expected_digest:
             manifest = retrying(f"download {CHECKSUMS} of {base_uri}", lambda: _read_manifest(base_uri, staging))
@@ -282,12 +284,13 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
             raise VerificationError(f"{CHECKSUMS} of {base_uri} does not match the export.sha256 the registry "
                                     "recorded at export time: the stored files were rewritten; refusing them")
         _safe_names(manifest, staging.resolve())
-        todo = []
+        todo: list[tuple[str, str]] = []
         for name, digest in sorted(manifest.items()):
             blob = cache.get(digest) if cache else None
             if blob is None:
                 todo.append((name, digest))
             else:
+                assert cache is not None  # a blob comes only from a cache
                 stats["cached_bytes"] += blob.stat().st_size
                 _place(blob, staging / name, digest, cache)
         from tqdm.auto import tqdm
@@ -297,7 +300,8 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
         with ThreadPoolExecutor(4, thread_name_prefix="draftline-pull") as pool, \
                 tqdm(desc="pull (sha256 while downloading)", unit="B", unit_scale=True, **bar_kwargs(progress and bool(todo)),
                      file=sys.stderr) as bar:
-            for size in pool.map(lambda item: _fetch_one(repo, base_uri, *item, staging, cache, bar.update), todo):
+            for size in pool.map(lambda item: _fetch_one(repo, base_uri, item[0], item[1], staging, cache, bar.update),
+                                 todo):
                 stats["downloaded_bytes"] += size
         stats["files"] = len(manifest)
         _install(staging, dest)
