@@ -7,8 +7,6 @@ line and exit 1 (2 for usage errors); anything else is a bug and keeps its trace
 
 from __future__ import annotations
 
-import sys
-
 from draftline.cli import registry, stages  # noqa: F401  (their commands join the group)
 from draftline.cli.common import _settings, cli, settings_options  # noqa: F401  (the public face)
 
@@ -18,4 +16,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -13,7 +13,9 @@ def batch_plan(lengths: Sequence[int], tokens_per_batch: int, *, seed: int, epoc
     A sample longer than the budget forms a batch of its own."""
     order = list(range(len(lengths)))
     random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    plan, cur, used = [], [], 0
+    plan: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
     for i in order:
         if cur and used + lengths[i] > tokens_per_batch:
             plan.append(cur)

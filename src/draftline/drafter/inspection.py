@@ -61,7 +61,8 @@ def _remote(target: str) -> dict:
         checksums = where.read_json(CHECKSUMS)
         config = where.read_json("config.json") if "config.json" in checksums else {}
         weights = sorted(n for n in checksums if n.endswith(".safetensors"))
-        header, cache = {}, BlobCache()
+        header: dict = {}
+        cache = BlobCache()
         for w in weights:
             blob = cache.get(checksums[w])
             header.update(_blob_header(blob) if blob else where.safetensors_header(w))  # the pull cache first

@@ -10,7 +10,8 @@ def walk(client, uri: str, max_depth: int = 64) -> list[dict]:
     """Generations from ``uri`` back to the root: registered versions, then the external parent (or random)."""
     from draftline.registry.versions import resolve_version
 
-    chain, seen = [], set()
+    chain: list[dict] = []
+    seen: set[tuple] = set()
     name, mv = resolve_version(client, uri)
     while True:
         key = (name, str(mv.version))

@@ -130,7 +130,7 @@ def evidence_for(client, name: str, mv, current, data: str):
 
     from draftline.registry.confidence import read_per_prompt
 
-    def with_evidence(evaluations: list[Evaluation] | None) -> list[Evaluation] | None:
+    def with_evidence(evaluations: list[Evaluation]) -> list[Evaluation]:
         for ev in evaluations or []:  # the per-prompt evidence of the policy's set, for paired comparisons
             if (ev.name == data or (len(data) >= 8 and ev.digest.startswith(data))) and ev.run_id:
                 ev.per_prompt = read_per_prompt(client, ev.run_id, ev.digest)
@@ -140,6 +140,6 @@ def evidence_for(client, name: str, mv, current, data: str):
     return Evidence(version=with_evidence(evaluations_of(client, model_id_of(mv))),
                     current=with_evidence(evaluations_of(client, model_id_of(current)) if current is not None
                                           else []),
-                    parent=with_evidence(parent), version_hint=hint(f"models:/{name}/{mv.version}"),
+                    parent=with_evidence(parent) if parent is not None else None, version_hint=hint(f"models:/{name}/{mv.version}"),
                     current_hint=hint(f"models:/{name}/{current.version}") if current is not None else "",
                     parent_hint=hint(parent_target) if parent_target else "")

@@ -221,7 +221,7 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
                    f"dry run: models:/{name}/{version} would move to {stage}; nothing changed")
         return {"results": results, "version": version, "stage": stage, "changed": False, "message": message}
 
-    token, tried = uuid.uuid4().hex, []  # one lock token for every try; ``tried``: a try began writing
+    token, tried = uuid.uuid4().hex, list[bool]()  # one lock token for every try; ``tried``: a try began writing
 
     def change():
         with promotion_lock(client, name, token=token):
@@ -264,7 +264,7 @@ def rollback(client, name: str, *, to: str | None = None, reason: str, policy_fi
         "min_metrics": {k: v for k, v in policy.min_metrics.items() if not k.startswith("eval/")},
         "not_worse_than_parent": None if parent_rule and parent_rule.metric.startswith("eval/") else parent_rule})
 
-    token, tried = uuid.uuid4().hex, {}  # one lock token for every try; ``tried``: what a try began to write
+    token, tried = uuid.uuid4().hex, dict[str, object]()  # one lock token for every try; ``tried``: what a try began to write
 
     def change():
         with promotion_lock(client, name, token=token):

@@ -116,7 +116,7 @@ def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostf
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                                  start_new_session=True) as proc, \
             Stopper(proc, Path(spec.stop_file or spec_path.with_name("stop"))) as stopper:
-        for line in proc.stdout:
+        for line in proc.stdout or ():
             out.write(line)
         proc.wait()
     out.close()
