@@ -9,6 +9,7 @@
     python -m benchmarks.run regenerate             (tiny server: batched vs one request at a time)
     python -m benchmarks.run evaluation             (measured vs teacher-forced acceptance, tiny verifier)
     python -m benchmarks.run serving [--shape smollm2 --drafter DIR]  (real vLLM vs tiny_server and in-process)
+    python -m benchmarks.run scaling [--sizes 16,64,128 --steps 60]  (served acceptance against data, same compute)
     python -m benchmarks.run fleet [--pullers 1,8,32] [--auth-cache-ttl S]  (pulls by stage while Production moves)
     python -m benchmarks.run server-requests        (one request, one download: sqlite/PostgreSQL, with/without auth)
     python -m benchmarks.run real-tier [--log LOG]  (a finished ./demo_real.sh run -> real-tier-smollm2-<scale>.json)
@@ -45,7 +46,7 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan", "data",
                                          "regenerate", "evaluation", "fleet", "real-tier", "artifact-bytes",
-                                         "server-requests", "serving"])
+                                         "server-requests", "serving", "scaling"])
     ap.add_argument("--shape", default=None, choices=["tiny", "real", "smollm2"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
@@ -55,6 +56,8 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
                     help="fleet: the server's auth_cache_ttl_seconds (0: MLflow's default, a hash check a request)")
     ap.add_argument("--drafter", default=None, help="serving --shape smollm2: the drafter directory to serve")
     ap.add_argument("--prompts", type=int, default=16, help="serving: prompts per variant")
+    ap.add_argument("--sizes", default="16,64,128", help="scaling: nested subsets of GSM8K train conversations")
+    ap.add_argument("--steps", type=int, default=60, help="scaling: finetune steps for every size (same compute)")
     ap.add_argument("--log", default=None, help="real-tier: demo_real.sh's stderr (default work/real/demo.log)")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -94,6 +97,10 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
         from benchmarks.serving import run
 
         result = run(shape=args.shape or "tiny", drafter_dir=args.drafter, prompts_n=args.prompts)
+    elif args.name == "scaling":
+        from benchmarks.scaling import run
+
+        result = run(sizes=[int(x) for x in args.sizes.split(",")], steps=args.steps)
     elif args.name == "server-requests":
         from benchmarks.server_requests import run
 

