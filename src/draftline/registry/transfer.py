@@ -1,8 +1,9 @@
 """Verified transfers of exported drafters, and the content-addressed cache pulls share.
 
-Every file of an export is named with its sha256 in ``checksums.json``. A pull downloads ``checksums.json``
-first, then each file it names through MLflow's own artifact repository (so any store MLflow supports
-works), hashing the bytes *while* they arrive on a second thread instead of re-reading the file afterwards.
+Every file of an export is named with its sha256 in ``checksums.json`` (and in the version's
+``export.checksums`` tag). A pull takes that list from the tag, or downloads ``checksums.json`` for a version
+exported before the tag, then downloads each file it names, one GET each, through MLflow's own artifact
+repository (so any store MLflow supports works), hashing the bytes *while* they arrive on a second thread instead of re-reading the file afterwards.
 A file whose digest is already in the cache is not downloaded at all: the cache keeps one read-only copy per
 digest (``$DRAFTLINE_CACHE_DIR/blobs/sha256/<digest>``, default ``~/.cache/draftline``) and a pull copies it
 into place, hashing the bytes as it writes them: "verified" always means hashed in this pull. Never a hard
@@ -213,8 +214,6 @@ COPY_CHUNK = 8 << 20
 def verify_directory(directory: Path) -> dict:
     """Re-hash every file a pulled directory's ``checksums.json`` names (``pull --verify-only``): returns the
     file count and bytes; raises :class:`VerificationError` naming the first file missing or altered."""
-    from draftline.util import file_sha256
-
     directory = Path(directory)
     try:
         manifest = json.loads((directory / CHECKSUMS).read_text())
