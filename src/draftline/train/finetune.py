@@ -210,7 +210,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     eval_data = open_prepared(resolve_data(cfg.eval_data), verify=True) \
         if cfg.eval_data else None
     if eval_data is not None:
-        check_same_verifier(manifest, eval_data.manifest, cfg.eval_data)
+        preflight.check_same_verifier(manifest, eval_data.manifest, cfg.eval_data)
     parent = resolve_init(cfg.init, cache=work_dir() / "cache")
     # every check that needs no rank lives in train/preflight.py and runs here, before the run exists, so a
     # mistake leaves no FAILED run behind
@@ -320,12 +320,3 @@ def hand_off(ckpt_dir: Path, out: Path, layer: dict, meta: dict) -> dict:
     say(f"handing on the {selected['selected']} checkpoint (step {selected['step']}"
           + (f", {best['metric']} {best['value']:.3f}" if best else "") + f"); newest step {selected['last_step']}")
     return selected
-
-
-def check_same_verifier(manifest: dict, other: dict, ref: str) -> None:
-    """An evaluation set must come from the same verifier and aux layers as the training data."""
-    for key in ("verifier_id", "aux_layer_ids", "hidden_size", "vocab_size"):
-        a, b = manifest.get(key), other.get(key)
-        if a is not None and b is not None and a != b:
-            raise DataError(f"evaluation set {ref} has {key} {b}, the training data {a}: prepare the evaluation "
-                            "set with the same verifier and --aux-layers")

@@ -160,3 +160,11 @@ def preflight(*, verifier: str, layer: dict, manifest: dict, vocab: dict[str, to
         check_parent(parent_files, shapes, rebuild=vocab_policy == "rebuild", header=header)
     return {"seconds": time.perf_counter() - t0}
 
+
+def check_same_verifier(manifest: dict, other: dict, ref: str) -> None:
+    """An evaluation set must come from the same verifier and aux layers as the training data."""
+    for key in ("verifier_id", "aux_layer_ids", "hidden_size", "vocab_size"):
+        a, b = manifest.get(key), other.get(key)
+        if a is not None and b is not None and a != b:
+            raise DataError(f"evaluation set {ref} has {key} {b}, the training data {a}: prepare the evaluation "
+                            "set with the same verifier and --aux-layers")
