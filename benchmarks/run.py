@@ -10,6 +10,7 @@
     python -m benchmarks.run evaluation             (measured vs teacher-forced acceptance, tiny verifier)
     python -m benchmarks.run serving [--shape smollm2 --drafter DIR]  (real vLLM vs tiny_server and in-process)
     python -m benchmarks.run scaling [--sizes 16,64,128 --steps 60]  (served acceptance against data, same compute)
+    python -m benchmarks.run recipe [--variants base,lr-2e-3 --conversations 64 --steps 60]  (one change each, served)
     python -m benchmarks.run fleet [--pullers 1,8,32] [--auth-cache-ttl S]  (pulls by stage while Production moves)
     python -m benchmarks.run server-requests        (one request, one download: sqlite/PostgreSQL, with/without auth)
     python -m benchmarks.run real-tier [--log LOG]  (a finished ./demo_real.sh run -> real-tier-smollm2-<scale>.json)
@@ -46,7 +47,7 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan", "data",
                                          "regenerate", "evaluation", "fleet", "real-tier", "artifact-bytes",
-                                         "server-requests", "serving", "scaling"])
+                                         "server-requests", "serving", "scaling", "recipe"])
     ap.add_argument("--shape", default=None, choices=["tiny", "real", "smollm2"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
@@ -58,6 +59,9 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     ap.add_argument("--prompts", type=int, default=16, help="serving: prompts per variant")
     ap.add_argument("--sizes", default="16,64,128", help="scaling: nested subsets of GSM8K train conversations")
     ap.add_argument("--steps", type=int, default=60, help="scaling: finetune steps for every size (same compute)")
+    ap.add_argument("--variants", default="base,lr-1e-3,lr-2e-3",
+                    help="recipe: variants to measure against base (benchmarks/recipe.py VARIANTS)")
+    ap.add_argument("--conversations", type=int, default=64, help="recipe: GSM8K train conversations")
     ap.add_argument("--log", default=None, help="real-tier: demo_real.sh's stderr (default work/real/demo.log)")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -101,6 +105,10 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
         from benchmarks.scaling import run
 
         result = run(sizes=[int(x) for x in args.sizes.split(",")], steps=args.steps)
+    elif args.name == "recipe":
+        from benchmarks.recipe import run
+
+        result = run(variants=args.variants.split(","), conversations=args.conversations, steps=args.steps)
     elif args.name == "server-requests":
         from benchmarks.server_requests import run
 

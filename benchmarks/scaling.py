@@ -41,19 +41,22 @@ def _dl(env: dict, *args: str) -> dict:
     return json.loads(r.stdout)
 
 
-def run(sizes=(16, 64, 128), steps: int = 60, eval_prompts: int = 16, max_new_tokens: int = 48,
-        work: str = "work/scaling") -> dict:
-    from draftline.serving.engine import ServeSpec, VllmServer, vllm_python
-
+def bench_env(work: str) -> dict:
+    """The environment every draftline command of a benchmark runs in: its own sqlite store and work folder."""
     w = Path(work).resolve()
     w.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{w / 'mlflow.db'}", "DRAFTLINE_WORK": str(w / "work"),
-           "DRAFTLINE_EXPERIMENT": "scaling"}
-    vllm_python(required=True)  # scaling needs real vLLM (./setup.sh --vllm): a clear error otherwise
-    laps: dict[str, float] = {}
+    return {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{w / 'mlflow.db'}", "DRAFTLINE_WORK": str(w / "work"),
+            "DRAFTLINE_EXPERIMENT": "scaling"}
+
+
+def prepare_sets(env: dict, sizes, eval_prompts: int, laps: dict) -> tuple[dict, dict[int, dict]]:
+    """One real ``vllm serve`` of the verifier answers the held-out GSM8K test prompts and each nested subset
+    of the train prompts (cached by content: a rerun only captures, or finds the prepared data)."""
+    from draftline.serving.engine import ServeSpec, VllmServer, vllm_python
+
+    vllm_python(required=True)  # the benchmark needs real vLLM (./setup.sh --vllm): a clear error otherwise
     t = time.perf_counter()
     verifier = _dl(env, "make-verifier", "smollm2")["path"]
-    parent = str(PARENT.resolve()) if PARENT.is_dir() else "random"
     with VllmServer(ServeSpec(model=verifier, served_name="smollm2", max_model_len=2048)) as server:
         laps["vllm_start_s"] = round(time.perf_counter() - t, 1)
         regen = ["--verifier", verifier, "--batch-size", "2", "--regenerate-endpoint", server.endpoint,
@@ -64,6 +67,15 @@ def run(sizes=(16, 64, 128), steps: int = 60, eval_prompts: int = 16, max_new_to
         data = {n: _dl(env, "prepare", "--conversations", TRAIN, "--max-samples", str(n), "--name",
                        f"gsm8k-train-{n}", *regen) for n in sorted(sizes)}
         laps["prepare_s"] = round(time.perf_counter() - t, 1)
+    return evaluation, data
+
+
+def run(sizes=(16, 64, 128), steps: int = 60, eval_prompts: int = 16, max_new_tokens: int = 48,
+        work: str = "work/scaling") -> dict:
+    env = bench_env(work)
+    laps: dict[str, float] = {}
+    parent = str(PARENT.resolve()) if PARENT.is_dir() else "random"
+    evaluation, data = prepare_sets(env, sizes, eval_prompts, laps)
     ev = ["--data", evaluation["data_uri"], "--measured", "true", "--max-prompts", str(eval_prompts),
           "--max-new-tokens", str(max_new_tokens)]
     t = time.perf_counter()
@@ -104,7 +116,8 @@ def _figures(result: dict, store: str | None = None) -> dict:
                          metrics.get("eval/measured/acceptance_length_high")],
             "teacher_forced": result.get("teacher_forced_acceptance_length"),
             "per_position": result.get("acceptance_rate_per_position"),
-            "backend": result.get("backend"), "lossless": result.get("lossless"), "prompts": result.get("prompts")}
+            "backend": result.get("backend"), "lossless": result.get("lossless"), "prompts": result.get("prompts"),
+            "evaluate_run": result.get("run_id")}
 
 
 def _plot(out: dict, path: Path) -> None:

@@ -95,11 +95,21 @@ class FinetuneConfig(_Strict):
     steps: int = Field(200, ge=1, description="Optimiser steps.")
     lr: float = Field(1e-4, gt=0, le=1.0, description="Peak learning rate (AdamW).")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
+    lr_schedule: Literal["linear", "cosine", "constant"] = Field(
+        "linear", description="After warm-up: linear decay to 0 (DeepSpeed WarmupDecayLR), cosine decay "
+        "(WarmupCosineLR) or constant (WarmupLR).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(0.5, gt=0, description="Gradient clipping norm.")
     tokens_per_batch: int = Field(4096, ge=16, description="Packed tokens per rank per step.")
     ttt_steps: int = Field(3, ge=1, le=16, description="Test-time-training steps (draft positions).")
-    precision: Literal["bf16", "fp32"] = Field("bf16", description="Training precision.")
+    ttt_loss_decay: float = Field(1.0, gt=0, le=1.0, description="Loss weight of draft position k is decay^k "
+                                  "(1.0: every position weighs the same, speculators' default).")
+    hidden_noise: float = Field(0.0, ge=0, le=1.0, description="Gaussian noise on the verifier's hidden states "
+                                "while training, relative to each token's RMS (EAGLE's augmentation; 0: none).")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="Training precision. auto: bf16 on GPUs; on CPUs whichever a short matmul "
+        "measurement at the drafter's shape finds faster here (bf16 is 2x faster with AVX512-BF16/AMX, "
+        "~100x slower without).")
     save_every: int = Field(50, ge=1, description="Save a DeepSpeed checkpoint every N steps (and at the end).")
     log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of samples held out for validation "

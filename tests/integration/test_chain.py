@@ -38,6 +38,8 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert p["parent.layout"] == "midlayer" and p["parent.key_remap"] == "midlayer.->layers.0."
     assert p["parent.sha256"] == files_digest(find_checkpoint(tiny["parent"]).weights)
     assert p["zero.stage"] == "2" and p["world_size"] == "2" and p["vocab.policy"] == "parent"
+    # --precision auto (the default) measured this CPU and says what it found
+    assert p["train.precision"] in ("bf16", "fp32") and p["train.precision_choice"].startswith("auto: a bf16 matmul")
     assert p["data.digest"] == prep["digest"] and run.data.tags["draftline.data.run_id"] == prep["run_id"]
     loss = client.get_metric_history(ft["run_id"], "train/loss")
     assert [m.step for m in loss] == [1, 2, 3, 4, 5, 6]

@@ -128,7 +128,7 @@ def test_shipped_configs_validate():
 
     assert {"aq-medai", "tiny"} <= set(load_catalog())
     for stage in (1, 2, 3):
-        conf = ds_config(FinetuneConfig(data="x", zero_stage=stage, steps=20))
+        conf = ds_config(FinetuneConfig(data="x", zero_stage=stage, steps=20, precision="bf16"))
         assert DeepSpeedZeroConfig(**conf["zero_optimization"]).stage == stage  # DeepSpeed's own schema
         assert conf["gradient_clipping"] == 0.5 and conf["bf16"] == {"enabled": True}
         assert conf["optimizer"]["params"]["betas"] == [0.9, 0.95]

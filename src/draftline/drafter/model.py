@@ -79,10 +79,22 @@ def loss_config():
     return resolve_loss_config("kl_div", "eager")
 
 
-def forward(model, batch: dict[str, torch.Tensor], ttt_steps: int, loss_cfg=None):
-    """``(loss, metrics)``; metrics are speculators' ``*_sum``/``*_total`` pairs."""
-    _, loss, metrics = model(**batch, ttt_steps=ttt_steps, loss_config=loss_cfg or loss_config())
+def forward(model, batch: dict[str, torch.Tensor], ttt_steps: int, loss_cfg=None, ttt_loss_decay: float = 1.0):
+    """``(loss, metrics)``; metrics are speculators' ``*_sum``/``*_total`` pairs. Draft position k's loss
+    weighs ``ttt_loss_decay ** k`` (speculators' ``ttt_step_loss_decay``; the metrics are unweighted)."""
+    _, loss, metrics = model(**batch, ttt_steps=ttt_steps, ttt_step_loss_decay=ttt_loss_decay,
+                             loss_config=loss_cfg or loss_config())
     return loss, metrics
+
+
+def add_hidden_noise(hidden: torch.Tensor, std: float, layers: int) -> torch.Tensor:
+    """EAGLE's augmentation: Gaussian noise on the verifier's hidden states, ``std`` times each aux layer's
+    per-token RMS (the layers differ in scale by orders of magnitude), so the drafter learns to draft from
+    features a little off the ones it was trained on, as its own drafts are at serving time."""
+    parts = hidden.unflatten(-1, (layers, -1))
+    rms = parts.float().pow(2).mean(-1, keepdim=True).sqrt()
+    noisy = parts.float() + torch.randn(parts.shape, dtype=torch.float32, device=hidden.device) * rms * std
+    return noisy.to(hidden.dtype).flatten(-2)
 
 
 def summarise(sums: dict[str, float], ttt_steps: int) -> dict[str, float]:

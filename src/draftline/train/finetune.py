@@ -19,7 +19,7 @@ from draftline.drafter.model import LAYER_FILE, PAIRING
 from draftline.drafter.shape import key_remap, layer_config
 from draftline.errors import CheckpointError, DataError
 from draftline.registry import lineage
-from draftline.train import preflight
+from draftline.train import precision, preflight
 from draftline.train.spec import WorkerSpec
 
 
@@ -42,11 +42,23 @@ def ds_config(cfg: FinetuneConfig) -> dict:
     conf["gradient_clipping"] = cfg.grad_clip
     opt = conf.setdefault("optimizer", {"type": "AdamW", "params": {}})
     opt["params"].update({"lr": cfg.lr, "weight_decay": cfg.weight_decay})
-    warmup = max(1, min(cfg.warmup_steps, cfg.steps))  # DeepSpeed's WarmupDecayLR needs >= 1 warm-up step
-    conf["scheduler"] = {"type": "WarmupDecayLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr, "warmup_num_steps": warmup,
-        "total_num_steps": max(cfg.steps, warmup + 1), "warmup_type": "linear"}}
+    conf["scheduler"] = lr_scheduler(cfg)
     return conf
+
+
+def lr_scheduler(cfg: FinetuneConfig) -> dict:
+    """DeepSpeed's own scheduler for ``lr_schedule``: linear warm-up, then linear decay to 0 (WarmupDecayLR),
+    cosine decay to 0 (WarmupCosineLR, which scales the optimiser's lr) or the peak held (WarmupLR)."""
+    warmup = max(1, min(cfg.warmup_steps, cfg.steps))  # DeepSpeed's schedulers need >= 1 warm-up step
+    total = max(cfg.steps, warmup + 1)
+    if cfg.lr_schedule == "cosine":
+        return {"type": "WarmupCosineLR", "params": {"total_num_steps": total, "warmup_min_ratio": 0.0,
+                                                     "warmup_num_steps": warmup, "cos_min_ratio": 0.0,
+                                                     "warmup_type": "linear"}}
+    ramp = {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr, "warmup_num_steps": warmup, "warmup_type": "linear"}
+    if cfg.lr_schedule == "constant":
+        return {"type": "WarmupLR", "params": ramp}
+    return {"type": "WarmupDecayLR", "params": {**ramp, "total_num_steps": total}}
 
 
 def optimizer_params(conf: dict) -> dict[str, object]:
@@ -58,6 +70,7 @@ def optimizer_params(conf: dict) -> dict[str, object]:
             "optimizer.betas": tuple(p["betas"]) if "betas" in p else None, "optimizer.eps": p.get("eps"),
             "optimizer.weight_decay": p.get("weight_decay"),
             "optimizer.warmup_steps": sched.get("warmup_num_steps"),
+            "optimizer.schedule": (conf.get("scheduler") or {}).get("type", "none"),
             "optimizer.grad_clip": conf.get("gradient_clipping")}
 
 
@@ -184,6 +197,15 @@ def check_resumable(run_id: str) -> None:
                         f"serves them ({PAIRING}); its checkpoint cannot be resumed: start a new finetune")
 
 
+def resumed_precision(run_id: str) -> precision.Choice:
+    """The precision a run's checkpoints were written in, and why (its ``train.precision*`` params)."""
+    from mlflow import MlflowClient
+
+    params = MlflowClient().get_run(run_id).data.params
+    return precision.Choice(params.get("train.precision", "auto"),
+                            params.get("train.precision_choice", "the resumed run's own precision"))
+
+
 def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]:
     """The finetune stage as one MLflow run; ``resume_run`` continues a run from its last checkpoint."""
     import mlflow
@@ -227,6 +249,12 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     # every check a rank would make (keys, shapes, vocabulary, aux layers), before hashing and launch
     preflight.preflight(verifier=manifest["verifier"], layer=layer, manifest=manifest, vocab=vocab,
                         parent_files=files, header=header, vocab_policy=cfg.vocab, parent_name=parent.name)
+    chosen = precision.choose(cfg.precision, on_cpu=on_cpu, hidden=int(layer["hidden_size"]),
+                              intermediate=int(layer["intermediate_size"]),
+                              resumed=resumed_precision(resume_run) if resume_run else None)
+    if cfg.precision == "auto":
+        say(f"precision: {chosen.precision} ({chosen.reason})")
+    cfg = cfg.model_copy(update={"precision": chosen.precision})
     conf = ds_config(cfg)
 
     with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune from {parent.name}",
@@ -253,7 +281,9 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             "ttt_steps": cfg.ttt_steps,
             **optimizer_params(conf),
             "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
-            "train.precision": cfg.precision, "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl,
+            "train.precision": cfg.precision, "train.precision_choice": chosen.reason,
+            "train.ttt_loss_decay": cfg.ttt_loss_decay, "train.hidden_noise": cfg.hidden_noise,
+            "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl,
             "train.val_fraction": cfg.val_fraction if eval_data is None else 0.0,
             "train.pairing": PAIRING,
             "eval.data.digest": eval_data.manifest["digest"] if eval_data is not None else "none",
@@ -282,6 +312,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             vocab_policy=cfg.vocab, parent_path=str(parent.path) if parent.path else None,
             allow_pickle=cfg.allow_pickle, steps=cfg.steps, ttt_steps=cfg.ttt_steps,
             tokens_per_batch=cfg.tokens_per_batch, precision=cfg.precision, seed=cfg.seed,
+            ttt_loss_decay=cfg.ttt_loss_decay, hidden_noise=cfg.hidden_noise,
             save_every=cfg.save_every, log_every=cfg.log_every, attn_impl=cfg.attn_impl,
             val_fraction=cfg.val_fraction, val_every=cfg.val_every, ds_config=conf, checkpoint_dir=str(ckpt_dir),
             eval_data_dir=str(eval_data.root) if eval_data is not None else None,

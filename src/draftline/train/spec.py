@@ -25,6 +25,9 @@ class WorkerSpec(BaseModel):
     ttt_steps: int = Field(ge=1)
     tokens_per_batch: int = Field(ge=1)
     precision: Literal["bf16", "fp32"]
+    ttt_loss_decay: float = Field(1.0, gt=0, le=1.0, description="Loss weight of draft position k: decay^k.")
+    hidden_noise: float = Field(0.0, ge=0, description="Gaussian noise on the aux hidden states while training, "
+                                "relative to each layer's per-token RMS.")
     seed: int
     save_every: int = Field(ge=1)
     log_every: int = Field(ge=1)

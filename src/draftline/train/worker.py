@@ -104,6 +104,7 @@ def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one pl
     from draftline.drafter.handoff import BEST_TAG, read_best, write_best
     from draftline.drafter.model import (
         accumulate,
+        add_hidden_noise,
         build_draft_model,
         forward,
         loss_config,
@@ -191,7 +192,10 @@ def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one pl
         batch = {k: v.to(device, non_blocking=True) for k, v in next(packed).items()}
         batch["hidden_states"] = batch["hidden_states"].to(dtype)
         batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(dtype)
-        loss, metrics = forward(engine, batch, ttt, cfg)
+        if spec.hidden_noise:
+            batch["hidden_states"] = add_hidden_noise(batch["hidden_states"], spec.hidden_noise,
+                                                      len(spec.aux_layer_ids))
+        loss, metrics = forward(engine, batch, ttt, cfg, ttt_loss_decay=spec.ttt_loss_decay)
         engine.backward(loss)
         engine.step()
         step += 1
