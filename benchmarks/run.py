@@ -2,7 +2,7 @@
 
     python -m benchmarks.run train-step [--shape tiny|real] [--tokens N] [--iters N] [--rounds N]
     python -m benchmarks.run parent-load [--shape real|tiny]
-    python -m benchmarks.run warm-start [--shape tiny|smollm2]   (smollm2: after ./demo_real.sh)
+    python -m benchmarks.run warm-start [--shape tiny|smollm2 --warm-start-steps N]   (smollm2: after ./demo_real.sh)
     python -m benchmarks.run plan                   (the Kimi-K2 drafter on 8 x 180 GiB, per ZeRO stage)
     python -m benchmarks.run registry [--shape real|tiny]
     python -m benchmarks.run data
@@ -62,6 +62,9 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     ap.add_argument("--variants", default="base,lr-1e-3,lr-2e-3",
                     help="recipe: variants to measure against base (benchmarks/recipe.py VARIANTS)")
     ap.add_argument("--conversations", type=int, default=64, help="recipe: GSM8K train conversations")
+    ap.add_argument("--on-top-of", default="", help="recipe: variants already kept, folded into base for this round")
+    ap.add_argument("--warm-start-steps", type=int, default=None,
+                    help="warm-start --shape smollm2: train both sides at this budget (default: the child's steps)")
     ap.add_argument("--log", default=None, help="real-tier: demo_real.sh's stderr (default work/real/demo.log)")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -72,7 +75,7 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     elif args.name == "warm-start":
         from benchmarks.warm_start import run
 
-        result = run(shape=args.shape or "tiny")
+        result = run(shape=args.shape or "tiny", **({"steps": args.warm_start_steps} if args.warm_start_steps else {}))
     elif args.name == "plan":
         from benchmarks.plan import run
 
@@ -108,7 +111,8 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     elif args.name == "recipe":
         from benchmarks.recipe import run
 
-        result = run(variants=args.variants.split(","), conversations=args.conversations, steps=args.steps)
+        result = run(variants=args.variants.split(","), conversations=args.conversations, steps=args.steps,
+                     on_top_of=tuple(x for x in args.on_top_of.split(",") if x))
     elif args.name == "server-requests":
         from benchmarks.server_requests import run
 

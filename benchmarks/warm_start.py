@@ -28,9 +28,16 @@ def _reach(curve: list[tuple[int, float]], goal: float) -> int | None:
     return next((s for s, v in curve if v >= goal - 1e-9), None)
 
 
-def run_real(summary: str | None = None, metrics=("full_acc_0", "acceptance_length")) -> dict:
+def _schedule(params: dict) -> str | None:
+    return {"WarmupDecayLR": "linear", "WarmupCosineLR": "cosine", "WarmupLR": "constant"}.get(
+        params.get("optimizer.schedule", ""))
+
+
+def run_real(summary: str | None = None, metrics=("full_acc_0", "acceptance_length"), steps: int | None = None,
+             every: int | None = None) -> dict:
     """Read a finished real-tier run (``work/real/summary.json``), train its random-init counterpart once,
-    compare the two validation curves."""
+    compare the two validation curves. With ``steps`` other than the child's, both sides are trained here at
+    that budget (from the child's parent, and from random init), every other setting the child's."""
     import json
     import os
     import subprocess
@@ -53,27 +60,38 @@ def run_real(summary: str | None = None, metrics=("full_acc_0", "acceptance_leng
     history = {m: client.get_metric_history(child.info.run_id, f"val/{m}") for m in metrics}
     val_steps = sorted({h.step for h in history[metrics[0]]})
     val_every = val_steps[1] - val_steps[0] if len(val_steps) > 1 else int(p["train.steps"])
-    tag = {"draftline.bench.warm_start_of": child.info.run_id}
-    mine = client.search_runs([child.info.experiment_id], f"tags.`draftline.bench.warm_start_of` = "
-                              f"'{child.info.run_id}' and attributes.status = 'FINISHED'", max_results=1)
-    if mine:
-        random_run = mine[0]
-    else:
-        cmd = [sys.executable, "-m", "draftline.cli", "finetune", "--data", p["data.uri"], "--init", "random",
+    total = int(steps or p["train.steps"])
+    if steps and total != int(p["train.steps"]):  # both sides trained here, at this budget
+        val_every = every or max(1, total // 6)
+
+    def counterpart(init: str, side: str):
+        """The run with the child's settings from ``init`` (reused when the benchmark ran before)."""
+        key = f"{child.info.run_id}/{side}/{total}"
+        mine = client.search_runs([child.info.experiment_id], f"tags.`draftline.bench.warm_start_of` = '{key}'"
+                                  " and attributes.status = 'FINISHED'", max_results=1)
+        if mine:
+            return mine[0]
+        cmd = [sys.executable, "-m", "draftline.cli", "finetune", "--data", p["data.uri"], "--init", init,
                "--draft-vocab-size", p["vocab.draft_size"], "--eval-data", f"runs:/{ev[0].info.run_id}/data",
-               "--gpus", p["world_size"], "--zero-stage", p["zero.stage"], "--steps", p["train.steps"],
+               "--gpus", p["world_size"], "--zero-stage", p["zero.stage"], "--steps", str(total),
                "--tokens-per-batch", p["train.tokens_per_batch"], "--precision", p["train.precision"],
                "--lr", p["optimizer.lr"], "--warmup-steps", p["optimizer.warmup_steps"], "--val-every",
-               str(val_every), "--seed", p["train.seed"], "--ttt-steps", p["ttt_steps"]]
-        print("  training the random-init counterpart:", " ".join(cmd[3:]), flush=True)
+               str(val_every), "--seed", p["train.seed"], "--ttt-steps", p["ttt_steps"],
+               *(["--vocab", p["vocab.policy"]] if init != "random" else []),
+               *(["--lr-schedule", schedule] if (schedule := _schedule(p)) else [])]
+        print(f"  training the {side} side:", " ".join(cmd[3:]), flush=True)
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
         run_id = json.loads(out)["run_id"]
-        client.set_tag(run_id, *next(iter(tag.items())))
-        random_run = client.get_run(run_id)
+        client.set_tag(run_id, "draftline.bench.warm_start_of", key)
+        return client.get_run(run_id)
+
+    random_run = counterpart("random", "random")
+    if total != int(p["train.steps"]):
+        child = counterpart(p["init"], "parent")
     curves = {name: {m: [(h.step, h.value) for h in sorted(client.get_metric_history(r.info.run_id, f"val/{m}"),
                                                              key=lambda h: h.step)] for m in metrics}
               for name, r in (("random", random_run), ("parent", child))}
-    result = {"shape": "smollm2", "verifier": p["verifier.name_or_path"], "steps": int(p["train.steps"]),
+    result = {"shape": "smollm2", "verifier": p["verifier.name_or_path"], "steps": total,
               "val_every": val_every, "runs": {"parent": child.info.run_id, "random": random_run.info.run_id},
               "settings": {k: p[k] for k in ("data.uri", "vocab.draft_size", "world_size", "train.tokens_per_batch",
                                              "train.precision", "optimizer.lr", "optimizer.warmup_steps")},
