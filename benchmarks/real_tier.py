@@ -55,12 +55,23 @@ def _finetune(client, run) -> dict:
     m, p = run.data.metrics, run.data.params
     hist = {k: [(x.step, round(x.value, 4)) for x in client.get_metric_history(run.info.run_id, k)]
             for k in ("val/acceptance_length", "val/full_acc_0")}
-    return {"run_id": run.info.run_id, "init": p.get("init"), "vocab": p.get("vocab.policy"), "draft_vocab": p.get("vocab.draft_size"),
+    return {"run_id": run.info.run_id, "data_uri": p.get("data.uri"),
+            "selected_step": int(run.data.tags.get("draftline.checkpoint.best_step")
+                                 or run.data.tags.get("draftline.checkpoint.last_step") or 0) or None,
+            "init": p.get("init"), "vocab": p.get("vocab.policy"), "draft_vocab": p.get("vocab.draft_size"),
             "steps": int(p.get("train.steps", 0)), "tokens_per_batch": int(p.get("train.tokens_per_batch", 0)),
             "ranks": p.get("world_size"), "lr": p.get("optimizer.lr"), "precision": p.get("train.precision"),
             "train_tokens_per_s": round(m.get("train/tokens_per_s", 0.0), 1),
             "parent_val_acceptance_length": m.get("parent.val/acceptance_length"),
             "val_history": hist, "run_s": round((run.info.end_time - run.info.start_time) / 1000, 1)}
+
+
+def _samples(client, data_uri: str | None) -> int | None:
+    """How many samples the prepare run behind ``runs:/<id>/data`` wrote."""
+    if not data_uri or not data_uri.startswith("runs:/"):
+        return None
+    value = client.get_run(data_uri.split("/")[1]).data.metrics.get("data/samples")
+    return int(value) if value is not None else None
 
 
 def _evaluation(client, path: Path) -> dict:
@@ -107,7 +118,8 @@ def run(work: str = "work/real", log: str | None = None) -> dict:
             "summary": {**lines, "promoted": summary["promoted"]},
             "promoted": summary["promoted"], "model": summary["model"], "parent": summary.get("parent"),
             "child_finetune_run": summary.get("child_finetune_run"),
-            "team_conversations": next((r["samples"] for r in prepares if r["name"] == "team-gsm8k"), None),
+            "team_conversations": _samples(client, next((f["data_uri"] for f in finetunes
+                                                         if f["run_id"] == summary.get("child_finetune_run")), None)),
             "laps_s": _laps(text), "regeneration": _regen_rates(text), "prepare": prepares,
             "finetune": finetunes,
             "gsm8k_test": {"parent": evals["parent_gsm8k"], "child": evals["child_gsm8k"]},

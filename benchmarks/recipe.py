@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 
-from benchmarks.scaling import PARENT, RESULTS, _dl, _figures, bench_env, prepare_sets
+from benchmarks.scaling import RESULTS, _dl, _figures, bench_env, prepare_sets, real_tier_parent
 
 OUT = RESULTS / "recipe-smollm2.json"
 BASE = {"--vocab": "rebuild", "--draft-vocab-size": "8192", "--gpus": "2", "--tokens-per-batch": "1024",
@@ -66,8 +66,16 @@ def _pair(client, done: dict, name: str) -> None:
     done[name]["vs_base"] = [round(diff.value, 3), round(diff.low, 3), round(diff.high, 3)] if diff else None
 
 
+def _line(v: dict) -> str:
+    low, high = (v.get("interval") or [None, None])[:2]
+    out = f"served {v.get('measured')}" + (f" [{low:.3f}, {high:.3f}]" if low is not None and high is not None else "")
+    return out + (f", vs base {v['vs_base'][0]:+.3f} [{v['vs_base'][1]:+.3f}, {v['vs_base'][2]:+.3f}]"
+                  if v.get("vs_base") else "")
+
+
 def run(variants=("base", "lr-2e-3"), conversations: int = 64, steps: int = 60, eval_prompts: int = 16,
-        max_new_tokens: int = 48, work: str = "work/scaling", on_top_of: tuple[str, ...] = ()) -> dict:
+        max_new_tokens: int = 48, work: str = "work/scaling", on_top_of: tuple[str, ...] = (),
+        parent: str | None = None) -> dict:
     """One round: ``base`` (``BASE`` with the changes ``on_top_of`` already kept) and each variant on top of it.
     Rounds are kept side by side in the results file."""
     from mlflow import MlflowClient
@@ -78,7 +86,7 @@ def run(variants=("base", "lr-2e-3"), conversations: int = 64, steps: int = 60, 
     env = bench_env(work)
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     laps: dict[str, float] = {}
-    parent = str(PARENT.resolve()) if PARENT.is_dir() else "random"
+    parent = real_tier_parent() if parent is None else parent
     evaluation, data = prepare_sets(env, [conversations], eval_prompts, laps)
     ev = ["--data", evaluation["data_uri"], "--measured", "true", "--max-prompts", str(eval_prompts),
           "--max-new-tokens", str(max_new_tokens)]
@@ -118,11 +126,8 @@ def run(variants=("base", "lr-2e-3"), conversations: int = 64, steps: int = 60, 
         if name != "base":
             _pair(client, done, name)
         _save(rounds)  # after every variant: a stopped sweep keeps what it measured
-        print(f"  {name:<14} served {done[name]['measured']:.3f} {done[name]['interval']}  vs base "
-              f"{done[name]['vs_base']}", flush=True)
-    summary = {name: f"served {v['measured']:.3f} [{v['interval'][0]:.3f}, {v['interval'][1]:.3f}]"
-                      + (f", vs base {v['vs_base'][0]:+.3f} [{v['vs_base'][1]:+.3f}, {v['vs_base'][2]:+.3f}]"
-                         if v.get("vs_base") else "") for name, v in done.items()}
+        print(f"  {name:<14} {_line(done[name])}", flush=True)
+    summary = {name: _line(v) for name, v in done.items()}
     out["summary"] = summary
     _save(rounds)
     return {"shape": "smollm2", "rounds": rounds, "summary": summary}

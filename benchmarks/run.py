@@ -65,6 +65,8 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     ap.add_argument("--on-top-of", default="", help="recipe: variants already kept, folded into base for this round")
     ap.add_argument("--warm-start-steps", type=int, default=None,
                     help="warm-start --shape smollm2: train both sides at this budget (default: the child's steps)")
+    ap.add_argument("--parent", default=None,
+                    help="scaling, recipe: the parent directory (default: the last demo_real.sh run's) or random")
     ap.add_argument("--replot", action="store_true", help="scaling: draw the plot again from the results only")
     ap.add_argument("--log", default=None, help="real-tier: demo_real.sh's stderr (default work/real/demo.log)")
     args = ap.parse_args(argv)
@@ -108,12 +110,13 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     elif args.name == "scaling":
         from benchmarks.scaling import replot, run
 
-        result = replot() if args.replot else run(sizes=[int(x) for x in args.sizes.split(",")], steps=args.steps)
+        result = replot() if args.replot else run(sizes=[int(x) for x in args.sizes.split(",")], steps=args.steps,
+                                                  parent=args.parent)
     elif args.name == "recipe":
         from benchmarks.recipe import run
 
         result = run(variants=args.variants.split(","), conversations=args.conversations, steps=args.steps,
-                     on_top_of=tuple(x for x in args.on_top_of.split(",") if x))
+                     on_top_of=tuple(x for x in args.on_top_of.split(",") if x), parent=args.parent)
     elif args.name == "server-requests":
         from benchmarks.server_requests import run
 

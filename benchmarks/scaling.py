@@ -7,7 +7,8 @@
    (the held-out evaluation set), each through ``draftline prepare --regenerate-endpoint``: replies are cached
    by content (``~/.cache/draftline/regenerated``), so a rerun costs only training;
 2. for each N, ``draftline finetune`` from the same parent (the real tier's general parent,
-   ``work/real/parent/midlayer``, which ``demo_real.sh`` builds; ``--init random`` otherwise, said in the JSON)
+   which ``demo_real.sh`` builds and caches: :func:`real_tier_parent`; ``--init random`` otherwise, said in the
+   JSON)
    with the same steps, tokens per batch, learning rate and seed: the same compute, more or fewer unique
    conversations (16 conversations are seen many times over, 128 a few);
 3. ``draftline evaluate --measured true`` of each child, and of the parent, on the held-out set, as vLLM serves
@@ -30,7 +31,17 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN = "configs/demo/gsm8k_train_prompts.jsonl"
 TEST = "configs/demo/gsm8k_test_prompts.jsonl"
-PARENT = Path("work/real/parent/midlayer")
+PARENT = Path("work/real/parent/midlayer")  # where demo_real.sh kept its parent before the parent cache
+
+
+def real_tier_parent() -> str:
+    """The parent of the last ``demo_real.sh`` run (its summary names it; the cached one since the parent cache),
+    else the older run's ``work/real/parent/midlayer``, else ``random``."""
+    try:
+        path = json.loads(Path("work/real/summary.json").read_text())["parent"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        path = str(PARENT)
+    return str(Path(path).resolve()) if Path(path).is_dir() else "random"
 
 
 def _dl(env: dict, *args: str) -> dict:
@@ -71,10 +82,10 @@ def prepare_sets(env: dict, sizes, eval_prompts: int, laps: dict) -> tuple[dict,
 
 
 def run(sizes=(16, 64, 128), steps: int = 60, eval_prompts: int = 16, max_new_tokens: int = 48,
-        work: str = "work/scaling") -> dict:
+        work: str = "work/scaling", parent: str | None = None) -> dict:
     env = bench_env(work)
     laps: dict[str, float] = {}
-    parent = str(PARENT.resolve()) if PARENT.is_dir() else "random"
+    parent = real_tier_parent() if parent is None else parent
     evaluation, data = prepare_sets(env, sizes, eval_prompts, laps)
     ev = ["--data", evaluation["data_uri"], "--measured", "true", "--max-prompts", str(eval_prompts),
           "--max-new-tokens", str(max_new_tokens)]
@@ -149,7 +160,7 @@ def _plot(out: dict, path: Path) -> None:
         ax.plot([t for t, _ in tier["curve"]], [v for _, v in tier["curve"]], marker="x", linestyle="--",
                 color="C1", label="teacher-forced on the evaluation set, during training")
         served = tier["served"]
-        ax.errorbar([tier["curve"][-1][0]], [served["value"]],
+        ax.errorbar([tier["served_at"]], [served["value"]],
                     yerr=[[served["value"] - served["low"]], [served["high"] - served["value"]]], marker="o",
                     capsize=3, color="C0", label="served by vLLM, the handed-on checkpoint")
         ax.axhline(2.0, color="grey", linewidth=0.8, linestyle=":")
@@ -171,12 +182,15 @@ def _budget(path: Path) -> dict | None:
     try:
         tier = json.loads(path.read_text())
         child = next(f for f in tier["finetune"] if f.get("run_id") == tier["child_finetune_run"])
-    except (OSError, ValueError, KeyError, StopIteration):
+        per_step = child["tokens_per_batch"] * int(child["ranks"])
+        curve = [(max(step, 1) * per_step, value) for step, value in child["val_history"]["val/acceptance_length"]]
+        served = tier["gsm8k_test"]["child"]
+        if not curve or served.get("measured_acceptance_length") is None:
+            return None
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
         return None
-    per_step = child["tokens_per_batch"] * int(child["ranks"])
-    curve = [(max(step, 1) * per_step, value) for step, value in child["val_history"]["val/acceptance_length"]]
-    served = tier["gsm8k_test"]["child"]
     return {"curve": curve, "conversations": tier.get("team_conversations"),
+            "served_at": (child.get("selected_step") or child["steps"]) * per_step,
             "served": {"value": served["measured_acceptance_length"],
                        "low": served.get("measured_low") or served["measured_acceptance_length"],
                        "high": served.get("measured_high") or served["measured_acceptance_length"]}}

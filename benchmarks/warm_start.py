@@ -67,10 +67,12 @@ def run_real(summary: str | None = None, metrics=("full_acc_0", "acceptance_leng
     def counterpart(init: str, side: str):
         """The run with the child's settings from ``init`` (reused when the benchmark ran before)."""
         key = f"{child.info.run_id}/{side}/{total}"
-        mine = client.search_runs([child.info.experiment_id], f"tags.`draftline.bench.warm_start_of` = '{key}'"
-                                  " and attributes.status = 'FINISHED'", max_results=1)
-        if mine:
-            return mine[0]
+        older = [child.info.run_id] if side == "random" and total == int(p["train.steps"]) else []  # tagged so before
+        for tag in (key, *older):
+            mine = client.search_runs([child.info.experiment_id], f"tags.`draftline.bench.warm_start_of` = '{tag}'"
+                                      " and attributes.status = 'FINISHED'", max_results=1)
+            if mine:
+                return mine[0]
         cmd = [sys.executable, "-m", "draftline.cli", "finetune", "--data", p["data.uri"], "--init", init,
                "--draft-vocab-size", p["vocab.draft_size"], "--eval-data", f"runs:/{ev[0].info.run_id}/data",
                "--gpus", p["world_size"], "--zero-stage", p["zero.stage"], "--steps", str(total),
@@ -78,6 +80,8 @@ def run_real(summary: str | None = None, metrics=("full_acc_0", "acceptance_leng
                "--lr", p["optimizer.lr"], "--warmup-steps", p["optimizer.warmup_steps"], "--val-every",
                str(val_every), "--seed", p["train.seed"], "--ttt-steps", p["ttt_steps"],
                *(["--vocab", p["vocab.policy"]] if init != "random" else []),
+               *[a for k, flag in (("train.ttt_loss_decay", "--ttt-loss-decay"), ("train.hidden_noise", "--hidden-noise"))
+                 if k in p for a in (flag, p[k])],
                *(["--lr-schedule", schedule] if (schedule := _schedule(p)) else [])]
         print(f"  training the {side} side:", " ".join(cmd[3:]), flush=True)
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout

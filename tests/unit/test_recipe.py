@@ -39,6 +39,7 @@ def test_precision_auto_measures_on_cpus_and_keeps_what_it_is_told(monkeypatch):
     assert precision.choose("auto", on_cpu=False, hidden=64, intermediate=128).precision == "bf16"
     kept = precision.Choice("fp32", "auto: a bf16 matmul ran 0.01x as fast as fp32 on this CPU")
     assert precision.choose("auto", on_cpu=True, hidden=64, intermediate=128, resumed=kept) == kept
+    assert precision.choose("fp32", on_cpu=True, hidden=64, intermediate=128, resumed=kept) == kept  # same params
     monkeypatch.setattr(precision, "measure", lambda h, i: 2.1)
     fast = precision.choose("auto", on_cpu=True, hidden=64, intermediate=128)
     assert fast.precision == "bf16" and "2.1x" in fast.reason

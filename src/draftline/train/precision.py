@@ -51,10 +51,10 @@ def measure(hidden: int, intermediate: int) -> float:
 def choose(requested: str, *, on_cpu: bool, hidden: int, intermediate: int, resumed: Choice | None = None) -> Choice:
     """The precision to train in. An explicit bf16/fp32 is kept; a resumed run keeps the precision its
     checkpoints were written in; ``auto`` is bf16 on GPUs and, on CPUs, what :func:`measure` finds faster."""
+    if resumed is not None and resumed.precision in ("bf16", "fp32") and requested in ("auto", resumed.precision):
+        return resumed  # its checkpoints were written in it (another precision asked for is refused on resume)
     if requested != "auto":
         return Choice(requested, "asked for")
-    if resumed is not None and resumed.precision in ("bf16", "fp32"):
-        return resumed  # its checkpoints were written in it
     if not on_cpu:
         return Choice("bf16", "auto: bf16 on GPUs")
     speedup = measure(hidden, intermediate)
