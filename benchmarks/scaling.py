@@ -163,9 +163,15 @@ def _plot(out: dict, path: Path) -> None:
         ax.errorbar([tier["served_at"]], [served["value"]],
                     yerr=[[served["value"] - served["low"]], [served["high"] - served["value"]]], marker="o",
                     capsize=3, color="C0", label="served by vLLM, the handed-on checkpoint")
+        start = tier.get("parent_served")
+        if start:
+            ax.errorbar([tier["curve"][0][0]], [start["value"]], yerr=[[start["value"] - start["low"]],
+                        [start["high"] - start["value"]]], marker="s", capsize=3, color="C2",
+                        label="the parent, served by vLLM")
         ax.axhline(2.0, color="grey", linewidth=0.8, linestyle=":")
         ax.set_xscale("log")
-        ax.set_xlabel("tokens trained on (steps x 2 x 1024, repeats counted)")
+        ax.set_xlabel("tokens trained on (steps x 2048, repeats counted)")
+        ax.set_ylabel("acceptance length at k=3")
         ax.set_title(f"the full tier's child: {tier['conversations']} conversations, from its cached parent",
                      fontsize=9)
         ax.grid(alpha=0.3)
@@ -189,7 +195,12 @@ def _budget(path: Path) -> dict | None:
             return None
     except (OSError, ValueError, KeyError, TypeError, StopIteration):
         return None
+    parent = tier["gsm8k_test"].get("parent") or {}
     return {"curve": curve, "conversations": tier.get("team_conversations"),
+            "parent_served": {"value": parent["measured_acceptance_length"],
+                              "low": parent.get("measured_low") or parent["measured_acceptance_length"],
+                              "high": parent.get("measured_high") or parent["measured_acceptance_length"]}
+            if parent.get("measured_acceptance_length") is not None else None,
             "served_at": (child.get("selected_step") or child["steps"]) * per_step,
             "served": {"value": served["measured_acceptance_length"],
                        "low": served.get("measured_low") or served["measured_acceptance_length"],
