@@ -101,9 +101,12 @@ for line in open('configs/demo/mt_bench_questions.jsonl'):
     if seen[json.loads(line)['category']] <= int(sys.argv[1]):
         print(line.strip())" "$MT_PER_CATEGORY" >"$W/mt_bench.jsonl"
 CACHE=${DRAFTLINE_CACHE_DIR:-$HOME/.cache/draftline}
-parent_key=$(printf '%s\n' "$(basename "$verifier")" "$HELD_OUT" "$MT_PER_CATEGORY" "$SHAREGPT" "$GENERAL_GSM" \
-  "$MAX_TOKENS" "$PARENT_STEPS" "$PARENT_LR" "$TOKENS" "$RANKS" "$PRECISION" "$DRAFT_VOCAB" "$server_kind" "${REAL_FINETUNE_ARGS:-}" \
-  | sha256sum | cut -c1-16)
+# the key: every setting that changes the parent, the input files, and draftline's version
+parent_key=$( { printf '%s\n' "$(basename "$verifier")" "$HELD_OUT" "$MT_PER_CATEGORY" "$SHAREGPT" "$GENERAL_GSM" \
+  "$MAX_TOKENS" "$PARENT_STEPS" "$PARENT_LR" "$TOKENS" "$RANKS" "$PRECISION" "$DRAFT_VOCAB" "$server_kind" \
+  "${REAL_FINETUNE_ARGS:-}" "$VAL_EVERY" "$("$PY" -c 'import importlib.metadata as m; print(m.version("draftline"))')"
+  sha256sum configs/demo/mt_bench_questions.jsonl configs/demo/sharegpt_dummy_questions.jsonl \
+            configs/demo/gsm8k_train_prompts.jsonl; } | sha256sum | cut -c1-16)
 cached="$CACHE/parents/smollm2-general-$parent_key"
 if [ "${REAL_PARENT_CACHE:-1}" = 1 ] && [ -f "$cached/build.json" ]; then
   parent="$cached/midlayer"
@@ -125,13 +128,14 @@ else
   lap "finetune parent from random init"
   parent_export=$(dl export --run "$parent_run" --registered-model smollm2-general-drafter --layout midlayer \
                     | field run_id)
-  rm -rf "$cached.tmp" && mkdir -p "$cached.tmp"
+  mkdir -p "$CACHE/parents"
+  tmp_parent=$(mktemp -d "$cached.XXXXXX")   # two builds at once never share a half-written directory
   "$PY" -c "import mlflow,sys; mlflow.artifacts.download_artifacts(run_id=sys.argv[1], \
-    artifact_path='midlayer', dst_path=sys.argv[2])" "$parent_export" "$cached.tmp" >/dev/null
+    artifact_path='midlayer', dst_path=sys.argv[2])" "$parent_export" "$tmp_parent" >/dev/null
   "$PY" -c "import json,sys; json.dump(dict(zip(['finetune_run', 'export_run', 'tracking_uri', 'build_s'], \
-    sys.argv[1:4] + [int(sys.argv[4])]), indent=2), open(sys.argv[5], 'w'))" "$parent_run" "$parent_export" \
-    "$MLFLOW_TRACKING_URI" "$((SECONDS - parent_t0))" "$cached.tmp/build.json"
-  rm -rf "$cached" && mv "$cached.tmp" "$cached"   # whole or not at all: a stopped build leaves no parent behind
+    sys.argv[1:4] + [int(sys.argv[4])])), open(sys.argv[5], 'w'), indent=2)" "$parent_run" "$parent_export" \
+    "$MLFLOW_TRACKING_URI" "$((SECONDS - parent_t0))" "$tmp_parent/build.json"
+  rm -rf "$cached" && mv "$tmp_parent" "$cached"   # whole or not at all: a stopped build leaves no parent behind
   parent="$cached/midlayer"
   parent_source=built
   lap "export parent (midlayer layout) into $cached"
@@ -174,7 +178,9 @@ def ev(name):
                                   "inprocess_acceptance_length", "backend", "acceptance_rate_per_position",
                                   "lossless", "prompts")}
 print(json.dumps({"model": f"models:/smollm2-gsm8k-drafter/{version}", "promoted": promoted == "true",
-                  "parent": {"path": parent, "source": parent_source},
+                  "parent": {"path": parent, "source": parent_source,
+                             "build": json.load(open(os.path.join(os.path.dirname(parent), "build.json")))
+                             if os.path.isfile(os.path.join(os.path.dirname(parent), "build.json")) else None},
                   "scale": os.environ.get("REAL_SCALE", "quick"), "regeneration_server": server_kind,
                   "parent_finetune_run": parent_run, "child_finetune_run": child_run,
                   "gsm8k_test": {"parent": ev("parent-gsm8k"), "child": ev("child-gsm8k")},
