@@ -157,7 +157,8 @@ def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, dr
         plan = planning.make_plan(config, gpus=gpus, nodes=nodes,
                                   gpu_memory_gib=None if on_cpu else gpu_memory_gib(),
                                   tokens_per_batch=cfg.tokens_per_batch, ttt_steps=cfg.ttt_steps,
-                                  precision=cfg.precision, attn_impl=cfg.attn_impl, zero_stage=cfg.zero_stage,
+                                  precision="bf16" if cfg.precision == "auto" else cfg.precision,
+                                  attn_impl=cfg.attn_impl, zero_stage=cfg.zero_stage,
                                   name=f"verifier {verifier}, draft vocabulary {draft_vocab_size}")
     except Exception as e:  # noqa: BLE001 (an estimate must not stop a training run)
         say(f"plan: not computed ({type(e).__name__}: {e})")
@@ -252,8 +253,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     chosen = precision.choose(cfg.precision, on_cpu=on_cpu, hidden=int(layer["hidden_size"]),
                               intermediate=int(layer["intermediate_size"]),
                               resumed=resumed_precision(resume_run) if resume_run else None)
-    if cfg.precision == "auto":
-        say(f"precision: {chosen.precision} ({chosen.reason})")
+    measured = cfg.precision == "auto"
     cfg = cfg.model_copy(update={"precision": chosen.precision})
     conf = ds_config(cfg)
 
@@ -261,6 +261,8 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
                                                run_id=resume_run, system_metrics=True) as active:
         run_id = active.info.run_id
         say(f"finetune run {run_id}: {tracking.run_link(active.info.experiment_id, run_id)}")
+        if measured:
+            say(f"precision: {chosen.precision} ({chosen.reason})")
         work = work_dir() / run_id
         work.mkdir(parents=True, exist_ok=True)
         if files:
