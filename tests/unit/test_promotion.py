@@ -122,3 +122,26 @@ def test_list_and_compare(client):
     assert "data.digest*" in text and "init " in text
     r = run("list", "no-such-model")
     assert r.exit_code == 1 and "registered model no-such-model does not exist" in r.output
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_a_lock_let_go_while_mlflow_reads_the_clash_back_is_taken_on_the_next_try(client, monkeypatch):
+    """MLflow's SQL store answers a clash on the lock's name by reading the holder back; when the holder has
+    just deleted it, the clash arrives as RESOURCE_DOES_NOT_EXIST (seen in CI with eight racing promoters)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+    name = "letgo"
+    _version(client, name, 1.5)
+    real, tries = MlflowClient.create_registered_model, []
+
+    def create(self, model, *args, **kwargs):
+        if model.endswith(LOCK_SUFFIX) and not tries:
+            tries.append(model)
+            raise MlflowException(f"Registered Model with name={model} not found", RESOURCE_DOES_NOT_EXIST)
+        return real(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "create_registered_model", create)
+    r = run("promote", name, "1", "--to", "Production")
+    assert r.exit_code == 0, r.output
+    assert tries and agree(client, name) == {"production": "1"}

@@ -116,7 +116,10 @@ def promotion_lock(client, name: str, timeout_s: float | None = None, token: str
                                            description=f"draftline: a promotion of {name} is in progress")
             break
         except Exception as e:  # noqa: BLE001
-            if getattr(e, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+            code = getattr(e, "error_code", "")
+            # MLflow's SQL store answers a name clash by reading the holder back: when the holder let go in
+            # between, the clash reads as RESOURCE_DOES_NOT_EXIST, and the lock is free for the next try
+            if code not in ("RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"):
                 raise
             with contextlib.suppress(Exception):
                 held = client.get_registered_model(lock).tags
