@@ -18,6 +18,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# the child's recipe, as its run logged it, handed to both counterparts (runs from before a param was logged
+# take finetune's default for it)
+RECIPE_FLAGS = (("train.lr_schedule", "--lr-schedule"), ("train.ttt_loss_decay", "--ttt-loss-decay"),
+                ("train.hidden_noise", "--hidden-noise"))
 
 
 def run(shape: str = "tiny", **kw) -> dict:
@@ -26,11 +30,6 @@ def run(shape: str = "tiny", **kw) -> dict:
 
 def _reach(curve: list[tuple[int, float]], goal: float) -> int | None:
     return next((s for s, v in curve if v >= goal - 1e-9), None)
-
-
-def _schedule(params: dict) -> str | None:
-    return {"WarmupDecayLR": "linear", "WarmupCosineLR": "cosine", "WarmupLR": "constant"}.get(
-        params.get("optimizer.schedule", ""))
 
 
 def run_real(summary: str | None = None, metrics=("full_acc_0", "acceptance_length"), steps: int | None = None,
@@ -80,9 +79,7 @@ def run_real(summary: str | None = None, metrics=("full_acc_0", "acceptance_leng
                "--lr", p["optimizer.lr"], "--warmup-steps", p["optimizer.warmup_steps"], "--val-every",
                str(val_every), "--seed", p["train.seed"], "--ttt-steps", p["ttt_steps"],
                *(["--vocab", p["vocab.policy"]] if init != "random" else []),
-               *[a for k, flag in (("train.ttt_loss_decay", "--ttt-loss-decay"), ("train.hidden_noise", "--hidden-noise"))
-                 if k in p for a in (flag, p[k])],
-               *(["--lr-schedule", schedule] if (schedule := _schedule(p)) else [])]
+               *[a for k, flag in RECIPE_FLAGS if k in p for a in (flag, p[k])]]
         print(f"  training the {side} side:", " ".join(cmd[3:]), flush=True)
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
         run_id = json.loads(out)["run_id"]

@@ -284,6 +284,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             **optimizer_params(conf),
             "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
             "train.precision": cfg.precision, "train.precision_choice": chosen.reason,
+            "train.lr_schedule": cfg.lr_schedule,
             "train.ttt_loss_decay": cfg.ttt_loss_decay, "train.hidden_noise": cfg.hidden_noise,
             "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl,
             "train.val_fraction": cfg.val_fraction if eval_data is None else 0.0,
