@@ -135,6 +135,8 @@ def test_the_user_story_on_real_vllm(workspace, tiny, tmp_path, monkeypatch, vll
                    "--cross-check", "true", "--max-new-tokens", "24")
     assert child["backend"] == "vllm" and child["lossless"] is True
     assert abs(child["measured_acceptance_length"] - child["inprocess_acceptance_length"]) <= 0.05, child
+    # the drafter's own forward over the same greedy replies predicts what vLLM served
+    assert abs(child["measured_acceptance_length"] - child["predicted_acceptance_length"]) <= 0.05, child
 
     ex = invoke("export", "--run", ft["run_id"], "--registered-model", "real-drafter", "--vllm-check", "on")
     mv = MlflowClient().get_model_version("real-drafter", ex["version"])

@@ -196,3 +196,38 @@ def test_the_vllm_backend_reads_the_counters_measure_chain_counts(tiny, verifier
     assert local.accepted > 0
     assert served.lossless_checked is False and "lossless" not in served.metrics()
     assert served.acceptance_length == pytest.approx(local.acceptance_length)
+
+
+def test_the_walk_over_teacher_forced_drafts_is_what_decoding_counts(verifier, trained):
+    """vLLM's walk replayed on one teacher-forced forward over the verifier's greedy replies gives exactly the
+    drafts, accepted tokens and per-position counts of real chain decoding of the same prompts, while the
+    uniform average over reply positions (teacher-forced acceptance) does not."""
+    from draftline.drafter.model import metric_sums, summarise
+
+    model, _ = verifier
+    drafter, held_out = trained
+    prompts = held_out[:4]
+    result = measure_chain(model, drafter, prompts, k=3, max_new_tokens=24)
+    recs = greedy.records(model, prompts, result.outputs, AUX)
+    sums = metric_sums(drafter, recs, ttt_steps=3, tokens_per_batch=4096, dtype=torch.float32)
+    assert (sums["walk_accepted_total"], sums["walk_accepted_sum"]) == (result.drafts, result.accepted)
+    assert [sums[f"walk_pos_{k}_sum"] for k in range(3)] == result.accepted_per_pos
+    m = summarise(sums, 3)
+    assert m["walk_acceptance_length"] == pytest.approx(result.acceptance_length)
+    assert m["acceptance_length"] != pytest.approx(result.acceptance_length, abs=1e-3)
+
+
+def test_the_served_cut_of_longer_replies_predicts_a_shorter_measurement(verifier, trained):
+    """An evaluation serves its first prompts for fewer tokens than the data's replies hold: the walk over
+    `served_replies` (those prompts, those first tokens) still gives decoding's counts exactly."""
+    from draftline.drafter.model import metric_sums
+    from draftline.evaluation.teacher_forced import served_replies
+
+    model, _ = verifier
+    drafter, held_out = trained
+    recs = greedy.records(model, held_out, greedy.greedy_replies(model, held_out, 30, 0), AUX)
+    result = measure_chain(model, drafter, held_out[:3], k=3, max_new_tokens=11)
+    cut = served_replies(recs, max_prompts=3, max_new_tokens=11)
+    assert [int(r["loss_mask"].sum()) for r in cut] == [11, 11, 11]
+    sums = metric_sums(drafter, cut, ttt_steps=3, tokens_per_batch=4096, dtype=torch.float32)
+    assert (sums["walk_accepted_total"], sums["walk_accepted_sum"]) == (result.drafts, result.accepted)

@@ -79,11 +79,17 @@ def loss_config():
     return resolve_loss_config("kl_div", "eager")
 
 
-def forward(model, batch: dict[str, torch.Tensor], ttt_steps: int, loss_cfg=None, ttt_loss_decay: float = 1.0):
+def forward(model, batch: dict[str, torch.Tensor], ttt_steps: int, loss_cfg=None, ttt_loss_decay: float = 1.0,
+            walk: bool = False):
     """``(loss, metrics)``; metrics are speculators' ``*_sum``/``*_total`` pairs. Draft position k's loss
-    weighs ``ttt_loss_decay ** k`` (speculators' ``ttt_step_loss_decay``; the metrics are unweighted)."""
-    _, loss, metrics = model(**batch, ttt_steps=ttt_steps, ttt_step_loss_decay=ttt_loss_decay,
-                             loss_config=loss_cfg or loss_config())
+    weighs ``ttt_loss_decay ** k`` (speculators' ``ttt_step_loss_decay``; the metrics are unweighted). With
+    ``walk`` the metrics also carry the sums of vLLM's walk over the same drafts (:mod:`draftline.drafter.walk`)."""
+    drafts, loss, metrics = model(**batch, ttt_steps=ttt_steps, ttt_step_loss_decay=ttt_loss_decay,
+                                  loss_config=loss_cfg or loss_config())
+    if walk:
+        from draftline.drafter.walk import walk_sums
+
+        metrics = {**metrics, **walk_sums(drafts, batch, model.d2t, ttt_steps)}
     return loss, metrics
 
 
@@ -99,7 +105,8 @@ def add_hidden_noise(hidden: torch.Tensor, std: float, layers: int) -> torch.Ten
 
 def summarise(sums: dict[str, float], ttt_steps: int) -> dict[str, float]:
     """Turn summed ``*_sum``/``*_total`` pairs into the metrics we log, plus the simulated acceptance length
-    ``1 + sum_k prod_{j<=k} cond_acc_j``."""
+    ``1 + sum_k prod_{j<=k} cond_acc_j`` (averaged over every reply position) and, where the walk's sums are
+    there, ``walk_acceptance_length`` (averaged over the drafts vLLM would make)."""
     out: dict[str, float] = {}
     for key, value in sums.items():
         if key.endswith("_sum"):
@@ -113,6 +120,8 @@ def summarise(sums: dict[str, float], ttt_steps: int) -> dict[str, float]:
         prod *= out.get(f"cond_acc_{k}", 0.0)
         acc += prod
     out["acceptance_length"] = acc
+    if "walk_accepted" in out:  # vLLM's walk over the same drafts (drafter/walk.py): what serving would report
+        out["walk_acceptance_length"] = 1.0 + out.pop("walk_accepted")
     return out
 
 
@@ -146,7 +155,7 @@ def metric_sums(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps:
         batch = pack([records[j] for j in chunks[idx if idx < len(chunks) else 0]], device)
         for key in ("hidden_states", "verifier_last_hidden_states"):
             batch[key] = batch[key].to(dtype)
-        _, metrics = forward(model, batch, ttt_steps, cfg)
+        _, metrics = forward(model, batch, ttt_steps, cfg, walk=True)
         # a surplus forward adds zeros under the same keys: every rank all-reduces a tensor of the same length
         accumulate(sums, metrics if idx < len(chunks) else {k: v * 0 for k, v in metrics.items()})
     return sums

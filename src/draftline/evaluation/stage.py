@@ -39,6 +39,28 @@ def _verifier(cfg: EvaluateConfig, manifest: dict) -> str:
     return str(Path(path).expanduser())
 
 
+PREDICTED = "eval/predicted/acceptance_length"
+PREDICTION_TOLERANCE = 0.1  # measured 0.001-0.014 apart on the real tier (bf16 shards, float32 vLLM)
+
+
+def _predicted(cfg: EvaluateConfig, drafter, records, manifest: dict, measured: float, progress: bool) -> dict:
+    """vLLM's walk over the drafter's own teacher-forced drafts on the very replies the measurement asked for:
+    what serving should report. Far from the measured figure on the verifier's greedy replies, serving is not
+    running the model that was trained; that is said, and logged."""
+    from draftline.evaluation.teacher_forced import greedy_replies, measure, served_replies
+
+    served = served_replies(records, cfg.max_prompts, cfg.max_new_tokens)
+    if not served:
+        return {}
+    predicted = measure(drafter, served, ttt_steps=cfg.num_speculative_tokens, tokens_per_batch=cfg.tokens_per_batch,
+                        progress=progress)["walk_acceptance_length"]
+    if greedy_replies(manifest) and abs(measured - predicted) > PREDICTION_TOLERANCE:
+        say(f"warning: served acceptance {measured:.3f}, but the drafter's own forward over the same greedy "
+            f"replies predicts {predicted:.3f}: what is served is not the model that was trained (compare the "
+            "export's config.json with the checkpoint: norm_before_residual, target layers, d2t; docs/design.md)")
+    return {PREDICTED: predicted, "eval/predicted/difference": measured - predicted}
+
+
 def backend_of(cfg: EvaluateConfig) -> str:
     """Where the measured figure comes from: ``vllm-endpoint`` (a server the user runs), ``vllm`` (a loopback
     vLLM this command starts), ``transformers`` (in this process) or ``none``. Checked before the run exists."""
@@ -124,6 +146,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
         metrics["eval/inprocess/acceptance_length_difference"] = chain.acceptance_length - cross.acceptance_length
     interval = None
     if chain is not None:
+        metrics.update(_predicted(cfg, drafter, records, manifest, chain.acceptance_length, progress))
         metrics.update({f"eval/measured/{k}": v for k, v in chain.metrics().items()})
         metrics["eval/measured/prompts"] = float(n_prompts)
         if chain.per_prompt:
@@ -175,13 +198,16 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
                 (Path(tmp) / PER_PROMPT_FILE).write_text("".join(json.dumps(r) + "\n" for r in chain.per_prompt))
                 mlflow.log_artifact(str(Path(tmp) / PER_PROMPT_FILE))
     out = {"run_id": active.info.run_id, "target": target.name, "data": f"{data_name} ({manifest['digest'][:12]})",
-           "teacher_forced_acceptance_length": round(tf["acceptance_length"], 4)}
+           "teacher_forced_acceptance_length": round(tf["acceptance_length"], 4),
+           "teacher_forced_walk_acceptance_length": round(tf["walk_acceptance_length"], 4)}
     if chain is not None:
         out.update({"measured_acceptance_length": round(chain.acceptance_length, 4),
                     "acceptance_rate_per_position": [round(r, 4) for r in chain.per_position_rates],
                     "lossless": chain.lossless if chain.lossless_checked else None, "prompts": n_prompts,
                     "backend": backend,
                     "recommended_num_speculative_tokens": int(metrics[evidence.RECOMMENDED_K])})
+        if PREDICTED in metrics:
+            out["predicted_acceptance_length"] = round(metrics[PREDICTED], 4)
         if cross is not None:
             out["inprocess_acceptance_length"] = round(cross.acceptance_length, 4)
         if interval is not None:

@@ -1,6 +1,11 @@
-"""Teacher-forced metrics of a drafter on prepared samples, in one process: ``full_acc_k``, ``cond_acc_k`` and
-the simulated acceptance length ``1 + sum_k prod_{j<=k} cond_acc_j`` (SpecForge's has no ``+1``), computed by
-speculators' own forward in the pairing vLLM serves, exactly as finetune validates."""
+"""Teacher-forced metrics of a drafter on prepared samples, in one process: ``full_acc_k``, ``cond_acc_k``, the
+simulated acceptance length ``1 + sum_k prod_{j<=k} cond_acc_j`` (SpecForge's has no ``+1``) and vLLM's walk
+over the same drafts (``walk_acceptance_length``, :mod:`draftline.drafter.walk`), computed by speculators' own
+forward in the pairing vLLM serves, exactly as finetune validates.
+
+:func:`served_replies` cuts the samples to what a measured evaluation serves (the first ``max_prompts``
+prompts, the first ``max_new_tokens`` tokens of each first reply): the walk over those is the acceptance
+length vLLM should report for them, when the replies are the verifier's own greedy output."""
 
 from __future__ import annotations
 
@@ -28,3 +33,31 @@ def prompts_of(records: Sequence[dict[str, torch.Tensor]]) -> list[list[int]]:
         if first > 0:
             out.append(r["input_ids"][:first].tolist())
     return out
+
+
+def served_replies(records: Sequence[dict[str, torch.Tensor]], max_prompts: int,
+                   max_new_tokens: int) -> list[dict[str, torch.Tensor]]:
+    """The samples of :func:`prompts_of`'s first ``max_prompts`` prompts, each cut after the first
+    ``max_new_tokens`` tokens of its first reply: the tokens a measured evaluation asks the server for."""
+    out, prompts = [], 0
+    for r in records:
+        mask = r["loss_mask"].bool()
+        first = int(mask.nonzero()[0]) if mask.any() else int(mask.numel())
+        if first == 0:  # as prompts_of: nothing to prompt with
+            continue
+        if prompts == max_prompts:
+            break
+        prompts += 1
+        end = first
+        while end < mask.numel() and mask[end] and end - first < max_new_tokens:
+            end += 1
+        if end > first:
+            out.append({k: v[:end] for k, v in r.items()})
+    return out
+
+
+def greedy_replies(manifest: dict) -> bool:
+    """Whether the samples' replies are the verifier's own greedy output (prepare regenerated them at
+    temperature 0): only then does the walk over them predict what serving measures."""
+    regenerated = manifest.get("regenerated") or {}
+    return bool(regenerated) and float(regenerated.get("temperature", 1.0)) == 0.0
