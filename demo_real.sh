@@ -174,7 +174,8 @@ import json, os, sys
 w, version, promoted, parent_run, child_run, server_kind, parent, parent_source = sys.argv[1:]
 def ev(name):
     r = json.load(open(f"{w}/eval-{name}.json"))
-    return {k: r.get(k) for k in ("teacher_forced_acceptance_length", "measured_acceptance_length",
+    return {k: r.get(k) for k in ("teacher_forced_acceptance_length", "teacher_forced_walk_acceptance_length",
+                                  "measured_acceptance_length", "predicted_acceptance_length",
                                   "inprocess_acceptance_length", "backend", "acceptance_rate_per_position",
                                   "lossless", "prompts")}
 print(json.dumps({"model": f"models:/smollm2-gsm8k-drafter/{version}", "promoted": promoted == "true",

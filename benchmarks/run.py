@@ -13,6 +13,7 @@
     python -m benchmarks.run recipe [--variants base,lr-2e-3 --conversations 64 --steps 60]  (one change each, served)
     python -m benchmarks.run fleet [--pullers 1,8,32] [--auth-cache-ttl S]  (pulls by stage while Production moves)
     python -m benchmarks.run server-requests        (one request, one download: sqlite/PostgreSQL, with/without auth)
+    python -m benchmarks.run prediction             (a finished ./demo_real.sh run: what teacher-forced predicts vs vLLM)
     python -m benchmarks.run real-tier [--log LOG]  (a finished ./demo_real.sh run -> real-tier-smollm2-<scale>.json)
     python -m benchmarks.run artifact-bytes [--shape real|tiny]  (what finetune logs / bf16 weight bytes)
 """
@@ -47,7 +48,7 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan", "data",
                                          "regenerate", "evaluation", "fleet", "real-tier", "artifact-bytes",
-                                         "server-requests", "serving", "scaling", "recipe"])
+                                         "server-requests", "serving", "scaling", "recipe", "prediction"])
     ap.add_argument("--shape", default=None, choices=["tiny", "real", "smollm2"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
@@ -91,6 +92,10 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
         from benchmarks.real_tier import run
 
         result = run(log=args.log)
+    elif args.name == "prediction":
+        from benchmarks.prediction import run
+
+        result = run()
     elif args.name == "data":
         from benchmarks.data import run
 
