@@ -54,7 +54,7 @@ def _prepare(run) -> dict:
 def _finetune(client, run) -> dict:
     m, p = run.data.metrics, run.data.params
     hist = {k: [(x.step, round(x.value, 4)) for x in client.get_metric_history(run.info.run_id, k)]
-            for k in ("val/acceptance_length", "val/full_acc_0")}
+            for k in ("val/acceptance_length", "val/walk_acceptance_length", "val/full_acc_0")}
     return {"run_id": run.info.run_id, "data_uri": p.get("data.uri"),
             "selected_step": int(run.data.tags.get("draftline.checkpoint.best_step")
                                  or run.data.tags.get("draftline.checkpoint.last_step") or 0) or None,
@@ -86,6 +86,7 @@ def _evaluation(client, path: Path) -> dict:
             "measured_rate_per_position": per_pos, "lossless": out.get("lossless"), "prompts": out.get("prompts"),
             "backend": out.get("backend", "transformers"),
             "inprocess_acceptance_length": out.get("inprocess_acceptance_length"),
+            "predicted_acceptance_length": m.get("eval/predicted/acceptance_length"),
             "measured_low": m.get("eval/measured/acceptance_length_low"),
             "measured_high": m.get("eval/measured/acceptance_length_high"),
             "inprocess_tokens_per_s": round(m.get("eval/inprocess/tokens_per_s", 0.0), 2) or None,

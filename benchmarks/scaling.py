@@ -159,6 +159,9 @@ def _plot(out: dict, path: Path) -> None:
         ax = axes[2]
         ax.plot([t for t, _ in tier["curve"]], [v for _, v in tier["curve"]], marker="x", linestyle="--",
                 color="C1", label="teacher-forced on the evaluation set, during training")
+        if tier.get("walk"):
+            ax.plot([t for t, _ in tier["walk"]], [v for _, v in tier["walk"]], marker="+", linestyle="-.",
+                    color="C3", label="the same drafts walked as vLLM walks them")
         served = tier["served"]
         ax.errorbar([tier["served_at"]], [served["value"]],
                     yerr=[[served["value"] - served["low"]], [served["high"] - served["value"]]], marker="o",
@@ -190,13 +193,15 @@ def _budget(path: Path) -> dict | None:
         child = next(f for f in tier["finetune"] if f.get("run_id") == tier["child_finetune_run"])
         per_step = child["tokens_per_batch"] * int(child["ranks"])
         curve = [(max(step, 1) * per_step, value) for step, value in child["val_history"]["val/acceptance_length"]]
+        walk = [(max(step, 1) * per_step, value)  # runs from before the walk was logged have none
+                for step, value in child["val_history"].get("val/walk_acceptance_length", [])]
         served = tier["gsm8k_test"]["child"]
         if not curve or served.get("measured_acceptance_length") is None:
             return None
     except (OSError, ValueError, KeyError, TypeError, StopIteration):
         return None
     parent = tier["gsm8k_test"].get("parent") or {}
-    return {"curve": curve, "conversations": tier.get("team_conversations"),
+    return {"curve": curve, "walk": walk, "conversations": tier.get("team_conversations"),
             "parent_served": {"value": parent["measured_acceptance_length"],
                               "low": parent.get("measured_low") or parent["measured_acceptance_length"],
                               "high": parent.get("measured_high") or parent["measured_acceptance_length"]}

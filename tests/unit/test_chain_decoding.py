@@ -231,3 +231,26 @@ def test_the_served_cut_of_longer_replies_predicts_a_shorter_measurement(verifie
     assert [int(r["loss_mask"].sum()) for r in cut] == [11, 11, 11]
     sums = metric_sums(drafter, cut, ttt_steps=3, tokens_per_batch=4096, dtype=torch.float32)
     assert (sums["walk_accepted_total"], sums["walk_accepted_sum"]) == (result.drafts, result.accepted)
+
+
+def test_evaluate_says_when_vllm_serves_other_than_the_drafters_own_forward_predicts(verifier, trained, capsys):
+    """On the verifier's greedy replies (prepare regenerated them at temperature 0) a measured figure far
+    from the walk over the same replies means serving runs another model: evaluate says so in one line; close
+    to it, or on replies that are not the verifier's greedy output, it stays quiet."""
+    from draftline.config import EvaluateConfig
+    from draftline.evaluation.stage import PREDICTED, _predicted
+
+    model, _ = verifier
+    drafter, held_out = trained
+    recs = greedy.records(model, held_out, greedy.greedy_replies(model, held_out, 20, 0), AUX)
+    cfg = EvaluateConfig(target="x", data="x", max_prompts=4, max_new_tokens=12)
+    greedy_manifest = {"regenerated": {"temperature": 0.0}}
+    right = measure_chain(model, drafter, held_out[:4], k=3, max_new_tokens=12).acceptance_length
+    got = _predicted(cfg, drafter, recs, greedy_manifest, right, progress=False)
+    assert got[PREDICTED] == pytest.approx(right) and "warning" not in capsys.readouterr().err
+    _predicted(cfg, drafter, recs, greedy_manifest, right + 0.5, progress=False)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"served acceptance {right + 0.5:.3f}" in err and f"predicts {right:.3f}" in err
+    _predicted(cfg, drafter, recs, {"regenerated": {"temperature": 0.7}}, right + 0.5, progress=False)
+    _predicted(cfg, drafter, recs, {}, right + 0.5, progress=False)
+    assert "warning" not in capsys.readouterr().err

@@ -35,7 +35,7 @@ def prompts_of(records: Sequence[dict[str, torch.Tensor]]) -> list[list[int]]:
     return out
 
 
-def served_replies(records: Sequence[dict[str, torch.Tensor]], max_prompts: int,
+def served_replies(records: Sequence[dict[str, torch.Tensor]], max_prompts: int | None,
                    max_new_tokens: int) -> list[dict[str, torch.Tensor]]:
     """The samples of :func:`prompts_of`'s first ``max_prompts`` prompts, each cut after the first
     ``max_new_tokens`` tokens of its first reply: the tokens a measured evaluation asks the server for."""
