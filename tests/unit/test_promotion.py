@@ -145,3 +145,29 @@ def test_a_lock_let_go_while_mlflow_reads_the_clash_back_is_taken_on_the_next_tr
     r = run("promote", name, "1", "--to", "Production")
     assert r.exit_code == 0, r.output
     assert tries and agree(client, name) == {"production": "1"}
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_a_stale_lock_another_promoter_has_just_taken_over_is_left_to_it(client, monkeypatch):
+    """Two promoters find the same stale lock; the first takes it over. The second must not delete the first's
+    fresh lock: it reads the lock again before deleting, sees another token, and waits instead."""
+    name = "takeover"
+    _version(client, name, 1.5)
+    lock = name + LOCK_SUFFIX
+    client.create_registered_model(lock, tags={"owner": "ci@elsewhere:1", "token": "first",
+                                               "since": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    real, reads = MlflowClient.get_registered_model, []
+
+    def get(self, model):
+        found = real(self, model)
+        if model == lock and not reads:  # what the second promoter read a moment before the first took over
+            reads.append(model)
+            found._tags = {"owner": "ci@elsewhere:1", "token": "stale",
+                           "since": (datetime.now(timezone.utc) - timedelta(minutes=5)).isoformat()}
+        return found
+
+    monkeypatch.setattr(MlflowClient, "get_registered_model", get)
+    monkeypatch.setenv("DRAFTLINE_PROMOTION_WAIT_S", "1")
+    r = run("promote", name, "1", "--to", "Production")
+    assert r.exit_code == 1 and f"another promotion of {name} has held {lock}" in r.output
+    assert real(client, lock).tags["token"] == "first"  # the first promoter's lock is still there

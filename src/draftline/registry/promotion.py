@@ -126,9 +126,13 @@ def promotion_lock(client, name: str, timeout_s: float | None = None, token: str
                 if held.get("token") == token:
                     break
                 if _stale(held):
-                    log.warning("taking over a stale promotion lock of %s (held by %s since %s)", name,
-                                held.get("owner"), held.get("since"))
-                    client.delete_registered_model(lock)
+                    # read again just before deleting: another promoter may have taken the stale lock over
+                    # in between, and its fresh lock must not go (MLflow has no conditional delete; this
+                    # narrows the window to one request)
+                    if client.get_registered_model(lock).tags.get("token") == held.get("token"):
+                        log.warning("taking over a stale promotion lock of %s (held by %s since %s)", name,
+                                    held.get("owner"), held.get("since"))
+                        client.delete_registered_model(lock)
                     continue
             if time.monotonic() > deadline:
                 raise RegistryError(f"another promotion of {name} has held {lock} for {timeout_s:.0f} s; wait "
