@@ -178,10 +178,10 @@ def ev(name):
                                   "measured_acceptance_length", "predicted_acceptance_length",
                                   "inprocess_acceptance_length", "backend", "acceptance_rate_per_position",
                                   "lossless", "prompts")}
+build = os.path.join(os.path.dirname(parent), "build.json")  # a cached parent's build record
 print(json.dumps({"model": f"models:/smollm2-gsm8k-drafter/{version}", "promoted": promoted == "true",
                   "parent": {"path": parent, "source": parent_source,
-                             "build": json.load(open(os.path.join(os.path.dirname(parent), "build.json")))
-                             if os.path.isfile(os.path.join(os.path.dirname(parent), "build.json")) else None},
+                             "build": json.load(open(build)) if os.path.isfile(build) else None},
                   "scale": os.environ.get("REAL_SCALE", "quick"), "regeneration_server": server_kind,
                   "parent_finetune_run": parent_run, "child_finetune_run": child_run,
                   "gsm8k_test": {"parent": ev("parent-gsm8k"), "child": ev("child-gsm8k")},

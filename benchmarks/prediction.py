@@ -25,10 +25,9 @@ def _one(client, run_id: str) -> dict:
     from draftline.config import EvaluateConfig, work_dir
     from draftline.data.refs import resolve_data
     from draftline.data.shards import open_prepared
-    from draftline.drafter.model import metric_sums, summarise
     from draftline.evaluation.stage import _verifier
     from draftline.evaluation.targets import load_drafter, resolve_target
-    from draftline.evaluation.teacher_forced import served_replies
+    from draftline.evaluation.teacher_forced import measure, served_replies
     from draftline.tracking import experiment_id
 
     run = client.get_run(run_id)
@@ -36,16 +35,13 @@ def _one(client, run_id: str) -> dict:
     k, prompts, new = int(p["num_speculative_tokens"]), int(p["prompts"]), int(p["max_new_tokens"])
     cfg = EvaluateConfig(target=p["target"], data=p["data.uri"])
     data = open_prepared(resolve_data(cfg.data), verify=True)
-    target = resolve_target(cfg.target, cache=work_dir() / "cache", checkpoint=p.get("checkpoint", "best")
-                            if p.get("checkpoint", "none") != "none" else "best", experiment_id=experiment_id())
+    checkpoint = p.get("checkpoint", "none")  # "none": the target is not a finetune run
+    target = resolve_target(cfg.target, cache=work_dir() / "cache", experiment_id=experiment_id(),
+                            checkpoint="best" if checkpoint == "none" else checkpoint)
     drafter = load_drafter(target, _verifier(cfg, data.manifest), data.manifest["aux_layer_ids"], ttt_steps=k)
-    dtype = next(t for t in drafter.parameters() if t.is_floating_point()).dtype
     records = data.records()
-
-    def figures(recs):
-        return summarise(metric_sums(drafter, recs, ttt_steps=k, tokens_per_batch=4096, dtype=dtype), k)
-
-    whole, served = figures(records), figures(served_replies(records, prompts, new))
+    whole = measure(drafter, records, ttt_steps=k)
+    served = measure(drafter, served_replies(records, prompts, new), ttt_steps=k)
     return {
         "target": p["target"], "data": p["data.name"], "samples": len(records), "served_prompts": prompts,
         "max_new_tokens": new, "evaluate_run": run_id,

@@ -202,14 +202,15 @@ def _budget(path: Path) -> dict | None:
         return None
     parent = tier["gsm8k_test"].get("parent") or {}
     return {"curve": curve, "walk": walk, "conversations": tier.get("team_conversations"),
-            "parent_served": {"value": parent["measured_acceptance_length"],
-                              "low": parent.get("measured_low") or parent["measured_acceptance_length"],
-                              "high": parent.get("measured_high") or parent["measured_acceptance_length"]}
-            if parent.get("measured_acceptance_length") is not None else None,
-            "served_at": (child.get("selected_step") or child["steps"]) * per_step,
-            "served": {"value": served["measured_acceptance_length"],
-                       "low": served.get("measured_low") or served["measured_acceptance_length"],
-                       "high": served.get("measured_high") or served["measured_acceptance_length"]}}
+            "parent_served": _band(parent) if parent.get("measured_acceptance_length") is not None else None,
+            "served_at": (child.get("selected_step") or child["steps"]) * per_step, "served": _band(served)}
+
+
+def _band(evaluation: dict) -> dict:
+    """A served figure and its interval (the figure itself where no interval was logged)."""
+    value = evaluation["measured_acceptance_length"]
+    return {"value": value, "low": evaluation.get("measured_low") or value,
+            "high": evaluation.get("measured_high") or value}
 
 
 def replot() -> dict:

@@ -238,7 +238,8 @@ def test_evaluate_says_when_vllm_serves_other_than_the_drafters_own_forward_pred
     from the walk over the same replies means serving runs another model: evaluate says so in one line; close
     to it, or on replies that are not the verifier's greedy output, it stays quiet."""
     from draftline.config import EvaluateConfig
-    from draftline.evaluation.stage import PREDICTED, _predicted
+    from draftline.evaluation.stage import _predicted
+    from draftline.registry.evidence import PREDICTED
 
     model, _ = verifier
     drafter, held_out = trained

@@ -39,7 +39,6 @@ def _verifier(cfg: EvaluateConfig, manifest: dict) -> str:
     return str(Path(path).expanduser())
 
 
-PREDICTED = "eval/predicted/acceptance_length"
 PREDICTION_TOLERANCE = 0.1  # measured 0.001-0.014 apart on the real tier (bf16 shards, float32 vLLM)
 
 
@@ -58,7 +57,7 @@ def _predicted(cfg: EvaluateConfig, drafter, records, manifest: dict, measured: 
         say(f"warning: served acceptance {measured:.3f}, but the drafter's own forward over the same greedy "
             f"replies predicts {predicted:.3f}: what is served is not the model that was trained (compare the "
             "export's config.json with the checkpoint: norm_before_residual, target layers, d2t; docs/design.md)")
-    return {PREDICTED: predicted, "eval/predicted/difference": measured - predicted}
+    return {evidence.PREDICTED: predicted, "eval/predicted/difference": measured - predicted}
 
 
 def backend_of(cfg: EvaluateConfig) -> str:
@@ -206,8 +205,8 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
                     "lossless": chain.lossless if chain.lossless_checked else None, "prompts": n_prompts,
                     "backend": backend,
                     "recommended_num_speculative_tokens": int(metrics[evidence.RECOMMENDED_K])})
-        if PREDICTED in metrics:
-            out["predicted_acceptance_length"] = round(metrics[PREDICTED], 4)
+        if evidence.PREDICTED in metrics:
+            out["predicted_acceptance_length"] = round(metrics[evidence.PREDICTED], 4)
         if cross is not None:
             out["inprocess_acceptance_length"] = round(cross.acceptance_length, 4)
         if interval is not None:

@@ -9,6 +9,7 @@ length vLLM should report for them, when the replies are the verifier's own gree
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -23,36 +24,32 @@ def measure(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps: int
                                  dtype=dtype, progress=progress), ttt_steps)
 
 
-def prompts_of(records: Sequence[dict[str, torch.Tensor]]) -> list[list[int]]:
-    """Each sample's prompt: its tokens before the first assistant (loss-masked) token. Samples whose first
-    token is already an assistant token (nothing to prompt with) are left out."""
-    out = []
+def _prompted(records: Sequence[dict[str, torch.Tensor]]):
+    """``(record, first)`` for each sample with a prompt, ``first`` being its first assistant (loss-masked)
+    token (its length when it has none). Samples that start with an assistant token are left out."""
     for r in records:
         mask = r["loss_mask"].bool()
         first = int(mask.nonzero()[0]) if mask.any() else int(mask.numel())
         if first > 0:
-            out.append(r["input_ids"][:first].tolist())
-    return out
+            yield r, first
+
+
+def prompts_of(records: Sequence[dict[str, torch.Tensor]]) -> list[list[int]]:
+    """Each sample's prompt: its tokens before the first assistant (loss-masked) token. Samples whose first
+    token is already an assistant token (nothing to prompt with) are left out."""
+    return [r["input_ids"][:first].tolist() for r, first in _prompted(records)]
 
 
 def served_replies(records: Sequence[dict[str, torch.Tensor]], max_prompts: int | None,
                    max_new_tokens: int) -> list[dict[str, torch.Tensor]]:
     """The samples of :func:`prompts_of`'s first ``max_prompts`` prompts, each cut after the first
     ``max_new_tokens`` tokens of its first reply: the tokens a measured evaluation asks the server for."""
-    out, prompts = [], 0
-    for r in records:
-        mask = r["loss_mask"].bool()
-        first = int(mask.nonzero()[0]) if mask.any() else int(mask.numel())
-        if first == 0:  # as prompts_of: nothing to prompt with
-            continue
-        if prompts == max_prompts:
-            break
-        prompts += 1
-        end = first
-        while end < mask.numel() and mask[end] and end - first < max_new_tokens:
-            end += 1
-        if end > first:
-            out.append({k: v[:end] for k, v in r.items()})
+    out = []
+    for r, first in itertools.islice(_prompted(records), max_prompts):
+        reply = r["loss_mask"][first:first + max_new_tokens].bool()
+        length = int(reply.numel()) if bool(reply.all()) else int((~reply).nonzero()[0])  # up to the turn's end
+        if length:
+            out.append({k: v[:first + length] for k, v in r.items()})
     return out
 
 

@@ -14,6 +14,7 @@ from draftline.errors import RegistryError
 
 MEASURED = "eval/measured/acceptance_length"
 TEACHER_FORCED = "eval/teacher_forced/acceptance_length"
+PREDICTED = "eval/predicted/acceptance_length"  # the walk over the served replies (evaluation/stage.py)
 HEADLINE = "eval/acceptance_length"
 LOSSLESS = "eval/measured/lossless"
 RECOMMENDED_K = "eval/recommended_num_speculative_tokens"
