@@ -45,7 +45,7 @@ def pytest_configure(config):
 def _no_mlflow_state_from_other_tests(monkeypatch):
     """MLflow keeps the experiment in the environment (MLFLOW_EXPERIMENT_ID) and in a module global; neither
     may leak from one test into the next."""
-    for var in ("MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI"):
+    for var in ("MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "DRAFTLINE_TRUST_REMOTE_CODE"):
         monkeypatch.delenv(var, raising=False)
     import mlflow
 

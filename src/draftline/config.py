@@ -33,6 +33,11 @@ class PrepareConfig(_Strict):
                                    "error.")
     verifier: str = Field(description="Verifier: a local Hugging Face directory (model + tokenizer with a chat "
                                       "template) or a repo id already in the local cache.")
+    trust_remote_code: bool = Field(False, description="Run the code a verifier directory ships for its config, "
+                                    "model or tokenizer (`auto_map`, as Kimi-K2-Instruct's kimi_k2 does), in "
+                                    "transformers and in every vLLM draftline starts; recorded as "
+                                    "verifier.trust_remote_code and inherited by the stages that read this data. "
+                                    "Without it such a directory is refused. Read its .py files first.")
     verifier_id: str | None = Field(None, description="The id serving hosts load the verifier by (a Hugging Face "
                                     "repo id), recorded as verifier.name_or_path and written into the exported "
                                     "config. Default: read from the Hugging Face cache path or the verifier's "
@@ -48,10 +53,15 @@ class PrepareConfig(_Strict):
                                    "for a cluster; default $DRAFTLINE_WORK/prepared/<key>). A rerun with the "
                                    "same inputs and settings resumes there after the last finished shard.")
     capture_backend: Literal["transformers", "vllm"] = Field(
-        "transformers", description="Who computes the hidden states: transformers in this process, or a vLLM "
-        "server with speculators' hidden-state extraction (GPU cluster; --capture-endpoint).")
-    capture_endpoint: str | None = Field(None, description="vLLM base URL for capture_backend=vllm "
-                                                           "(e.g. http://127.0.0.1:8000/v1).")
+        "transformers", description="Who computes the hidden states: transformers in this process, or vLLM with "
+        "its extract_hidden_states method (a verifier only vLLM runs, such as Kimi-K2.5): a loopback server "
+        "prepare starts from the vLLM venv, or the one --capture-endpoint names.")
+    capture_endpoint: str | None = Field(None, description="vLLM base URL for capture_backend=vllm (e.g. "
+                                         "http://127.0.0.1:8000/v1), a server extracting the aux layers plus the "
+                                         "last into a folder this host reads (draftline's connector: "
+                                         "kv_connector_module_path draftline_hs_connector, class "
+                                         "CpuSafeHiddenStatesConnector; docs/vllm.md). Default: a loopback "
+                                         "server started here.")
     capture_model: str | None = Field(None, description="Model name the vLLM server serves (default: the verifier).")
     log_shards: bool = Field(False, description="Also copy the shards into the MLflow artifact store (by "
                                                 "default the run logs their location and sha256s only).")

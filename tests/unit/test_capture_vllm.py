@@ -1,5 +1,6 @@
-"""The vLLM capture backend against draftline.testing.tiny_server's emulation of vLLM's hidden-state extraction
-(speculators' protocol, computed with transformers): vLLM itself needs a GPU."""
+"""The vLLM capture backend's client against draftline.testing.tiny_server's emulation of vLLM's hidden-state
+extraction (speculators' protocol, computed with transformers), where faults are easy to make; real vLLM
+capturing is tests/integration/test_kimi.py's."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from draftline.config import PrepareConfig
 from draftline.data.prepare import build_data
 from draftline.data.shards import open_prepared
-from draftline.errors import DataError
+from draftline.errors import ConfigError, DataError
 from draftline.testing.tiny_server import serve_in_thread
 
 from ..conftest import DEMO
@@ -30,7 +31,7 @@ def test_vllm_backend_writes_the_same_shards_as_transformers(tiny, tmp_path):
 
 def test_vllm_backend_errors_name_the_fix(tiny, tmp_path):
     cfg = dict(conversations=str(DEMO), verifier=str(tiny["verifier"]), max_samples=2, capture_backend="vllm")
-    with pytest.raises(DataError, match="needs --capture-endpoint"):
+    with pytest.raises(ConfigError, match="vLLM is needed here"):  # no endpoint: a loopback vLLM, switched off
         build_data(PrepareConfig(**cfg), tmp_path / "a", progress=False)
     with serve_in_thread(tiny["verifier"]) as srv:  # a server without hidden-state extraction
         with pytest.raises(DataError, match="did not return hidden states.*hidden-state extraction"):

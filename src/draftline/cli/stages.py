@@ -20,22 +20,34 @@ from draftline.serving.verifiers import CATALOG as VERIFIERS
 @click.option("--parent-steps", type=click.IntRange(0, 100000), default=150, show_default=True,
               help="Optimiser steps for the tiny parent.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the weights and the parent's training.")
-def make_tiny_cmd(out_dir, conversations, parent_steps, seed):
+@click.option("--family", type=click.Choice(["llama", "kimi"]), default="llama", show_default=True,
+              help="llama: a Llama verifier. kimi: Kimi-K2's architecture (DeepSeek-V3: MLA attention with "
+                   "DeepSeek's head dims, 8 routed experts + 1 shared) in the forms Kimi ships: OUT_DIR/verifier "
+                   "as kimi_k2 with its config, model and tokenizer as custom code (prepare needs "
+                   "--trust-remote-code), OUT_DIR/verifier-k25 as Kimi-K2.5's multimodal kimi_k25 wrapper, "
+                   "OUT_DIR/verifier-quantized with a quantization_config (config only).")
+def make_tiny_cmd(out_dir, conversations, parent_steps, seed, family):
     """Write a tiny verifier (OUT_DIR/verifier) and a tiny AQ-MedAI-layout parent (OUT_DIR/parent).
 
-    The catalog entry `init=tiny` finds the parent through DRAFTLINE_TINY_DIR=OUT_DIR (or work/tiny)."""
+    The catalog entry `init=tiny` finds the Llama family's parent through DRAFTLINE_TINY_DIR=OUT_DIR (or
+    work/tiny); `init=tiny-kimi` the Kimi family's through DRAFTLINE_TINY_KIMI_DIR=OUT_DIR (or work/tiny-kimi)."""
     from draftline.config import shipped
-    from draftline.testing.tiny import make_tiny
+    from draftline.testing.kimi import KIMI_K25_VERIFIER_ID, KIMI_VERIFIER_ID, make_tiny_kimi
+    from draftline.testing.tiny import TINY_VERIFIER_ID, make_tiny
 
     src = Path(conversations) if conversations else shipped("configs", "demo", "conversations.jsonl")
 
     def build() -> dict:
         from draftline.serving.hf_cache import register
-        from draftline.testing.tiny import TINY_VERIFIER_ID
 
-        made = make_tiny(Path(out_dir), src, parent_steps=parent_steps, seed=seed)
+        if family == "kimi":
+            made = make_tiny_kimi(Path(out_dir), src, parent_steps=parent_steps, seed=seed)
+            ids = {"verifier": KIMI_VERIFIER_ID, "verifier_k25": KIMI_K25_VERIFIER_ID}
+        else:
+            made = make_tiny(Path(out_dir), src, parent_steps=parent_steps, seed=seed)
+            ids = {"verifier": TINY_VERIFIER_ID}
         # `vllm serve <pulled drafter dir>` loads the verifier by its id: resolvable offline on this host
-        return {**made, "hf_cache": register(made["verifier"], TINY_VERIFIER_ID)}
+        return {**made, "hf_cache": [str(register(made[k], rid)) for k, rid in ids.items()]}
 
     _result(build)
 

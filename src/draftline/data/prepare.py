@@ -10,15 +10,18 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from collections import Counter
 from pathlib import Path
 
 import torch
 
 from draftline.config import PrepareConfig, work_dir
+from draftline.console import say
 from draftline.data import shards
 from draftline.errors import DataError
 from draftline.registry.lineage import verifier_identity
+from draftline.serving import hf_model
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ def prepare_key(cfg: PrepareConfig) -> str:
     from draftline.data.conversations import source_digest
 
     fields = cfg.model_dump(exclude={"name", "output_dir", "log_shards", "regenerate_concurrency",
-                                     "capture_endpoint"})
+                                     "capture_endpoint", "trust_remote_code"})
     fields.update(conversations=source_digest(cfg.conversations),
                   verifier=verifier_fingerprint(resolve_verifier(cfg.verifier)),
                   format_version=shards.FORMAT_VERSION)
@@ -80,7 +83,6 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     shards already in ``out_dir`` for the same inputs and settings are kept and the capture resumes after them."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
     from draftline.console import bar_kwargs
     from draftline.data.conversations import is_prompt, load_conversations, select_categories
@@ -100,7 +102,7 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
         regenerated["prompts"] = prompts  # samples that came without an assistant turn
 
     verifier_path = resolve_verifier(cfg.verifier)
-    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+    tokenizer = hf_model.load_tokenizer(verifier_path)
     tokenized = tokenize_conversations(samples, tokenizer, cfg.max_length)
     if regenerated:
         regenerated["turns_from_token_ids"] = sum(t.turns_from_ids for t in tokenized)
@@ -146,6 +148,8 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
         # what a serving host knows it by (None: only this machine's path, and export will ask for an id)
         **dict(zip(("verifier_id", "verifier_revision"),
                    verifier_identity(verifier_path, cfg.verifier, cfg.verifier_id), strict=True)),
+        "verifier_trust_remote_code": hf_model.is_trusted(verifier_path),
+        **{f"verifier_{k}": v for k, v in hf_model.describe(verifier_path).items()},
         "num_hidden_layers": num_layers,
         "hidden_size": hidden,
         "vocab_size": vocab,
@@ -168,21 +172,30 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
 
 
 def _hidden_state_stream(cfg: PrepareConfig, verifier_path: str, config, samples, aux: list[int]):
-    """Records from the verifier in this process (transformers), or from a vLLM server (the cluster backend)."""
+    """Records from the verifier in this process (transformers), or from vLLM: the server ``--capture-endpoint``
+    names, or a loopback one started here for the duration of the capture."""
     if cfg.capture_backend == "vllm":
-        from draftline.data.capture_vllm import iter_hidden_states_vllm
+        from draftline.data.capture_vllm import iter_hidden_states_vllm, loopback_capture_server
 
-        if not cfg.capture_endpoint:
-            raise DataError("capture_backend=vllm needs --capture-endpoint: the base URL of the vLLM server "
-                            "running speculators' hidden-state extraction")
-        return iter_hidden_states_vllm(samples, cfg.capture_endpoint, cfg.capture_model or cfg.verifier,
-                                       num_aux=len(aux), hidden_size=config.hidden_size, batch_size=cfg.batch_size)
-    from transformers import AutoModelForCausalLM
-
+        shape = dict(num_aux=len(aux), hidden_size=config.hidden_size, batch_size=cfg.batch_size)
+        if cfg.capture_endpoint:
+            yield from iter_hidden_states_vllm(samples, cfg.capture_endpoint, cfg.capture_model or cfg.verifier,
+                                               **shape)
+            return
+        if not samples:
+            return
+        longest = max(len(s.input_ids) for s in samples)
+        with tempfile.TemporaryDirectory(prefix="draftline-capture-") as out, \
+                loopback_capture_server(verifier_path, [*aux, config.num_hidden_layers], out,
+                                        max_len=longest + 8) as server:
+            say(f"vLLM capturing layers {[*aux, config.num_hidden_layers]} on loopback (up in "
+                f"{server.startup_s:.0f} s, {server.spec.dtype})")
+            yield from iter_hidden_states_vllm(samples, server.endpoint, server.model, server=server, **shape)
+        return
     from draftline.data.capture import iter_hidden_states
 
-    verifier = AutoModelForCausalLM.from_pretrained(verifier_path, dtype=torch.float32).eval()
-    return iter_hidden_states(verifier, samples, aux, cfg.batch_size)
+    verifier = hf_model.load_causal_lm(verifier_path, dtype=torch.float32)
+    yield from iter_hidden_states(verifier, samples, aux, cfg.batch_size)
 
 
 def _regenerate(cfg: PrepareConfig, samples: list[dict], progress: bool) -> dict:
@@ -200,9 +213,8 @@ def _regenerate(cfg: PrepareConfig, samples: list[dict], progress: bool) -> dict
 
 def verifier_config(path: str):
     """The verifier's config (its text config for multimodal ones), every file a tokenizer needs checked first:
-    one :class:`DataError` naming the file and the fix, never a loader's traceback."""
-    from transformers import AutoConfig
-
+    one :class:`DataError` naming the file and the fix, never a loader's traceback; a directory that ships its
+    model or tokenizer as code is refused unless trusted (:mod:`draftline.serving.hf_model`)."""
     d = Path(path)
     try:
         json.loads((d / "config.json").read_text())
@@ -214,12 +226,13 @@ def verifier_config(path: str):
     if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")):
         raise DataError(f"verifier {d} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json): "
                         "copy the model's tokenizer files into it")
+    hf_model.check_custom_code(d)
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = hf_model.load_config(path)
     except (OSError, ValueError, KeyError) as e:
         raise DataError(f"verifier {d}: transformers cannot read its config.json ({str(e).splitlines()[0]})") \
             from None
-    return getattr(config, "text_config", config)
+    return hf_model.text_config(config)
 
 
 def preflight(cfg: PrepareConfig) -> None:
@@ -231,11 +244,14 @@ def preflight(cfg: PrepareConfig) -> None:
     convs = load_conversations(cfg.conversations, prompts=bool(cfg.regenerate_endpoint),
                                skip_bad=cfg.skip_bad_records)
     select_categories(convs.samples, cfg.categories, cfg.conversations)
+    if cfg.trust_remote_code:
+        hf_model.allow_custom_code(resolve_verifier(cfg.verifier))
     config = verifier_config(resolve_verifier(cfg.verifier))
     resolve_aux_layers(cfg.aux_layers, config.num_hidden_layers)
     if cfg.capture_backend == "vllm" and not cfg.capture_endpoint:
-        raise DataError("capture_backend=vllm needs --capture-endpoint: the base URL of the vLLM server "
-                        "running speculators' hidden-state extraction")
+        from draftline.serving.engine import vllm_python
+
+        vllm_python(required=True)  # the loopback capture server needs the vLLM venv
     if cfg.regenerate_endpoint:
         from draftline.data.regenerate import served_models
         from draftline.serving.client import redact

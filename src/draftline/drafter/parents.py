@@ -1,8 +1,13 @@
 """Resolve ``init`` to a parent drafter on local disk, with the facts lineage records about it.
 
 ``init`` is one of: ``random``; a catalog name (``configs/parents.yaml``); a local directory; a Hugging Face
-repo id already in the local cache (nothing is downloaded); ``models:/NAME/VERSION``, ``models:/NAME/STAGE``
-or ``models:/NAME@alias`` (a drafter registered before, so lineage chains across generations).
+repo id; ``models:/NAME/VERSION``, ``models:/NAME/STAGE`` or ``models:/NAME@alias`` (a drafter registered
+before, so lineage chains across generations).
+
+A catalog parent or a repo id is looked for on this machine first (the catalog's directories, then the local
+Hugging Face cache). When it is in neither, it is downloaded into the Hugging Face cache at the catalog's
+revision, its config and safetensors weights only (never ``training_state.pt`` or any other pickle), unless
+``HF_HUB_OFFLINE`` is set: then the message says what to download and where to put it.
 """
 
 from __future__ import annotations
@@ -14,10 +19,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from draftline.config import project_root, shipped
+from draftline.console import say
 from draftline.errors import ConfigError, ParentNotFound
+
+# What a parent is read from. Everything else in the repo stays there: SpecForge's `training_state.pt` (optimizer
+# state, a pickle) is as big as the weights and draftline never loads a pickle (*.pt, *.bin, *.pth, *.pkl).
+PARENT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "README.md"]
+LOCAL_ONLY = "local"  # a catalog revision naming no Hub repo (the tiny parent `make-tiny` writes): never downloaded
 
 
 class CatalogEntry(BaseModel):
@@ -35,7 +56,7 @@ class Parent:
     init: str
     name: str  # catalog name, directory name, repo id, or registered model name
     source: str  # where it came from: repo id, absolute path, or models:/NAME/VERSION
-    revision: str
+    revision: str  # the Hub commit (the snapshot's folder name), the catalog's revision, "local", or the version
     path: Path | None  # local directory with the weights; None for random
     model_version: str | None = None  # models:/NAME/K when it came from our registry
     run_id: str | None = None  # the run that registered it
@@ -73,15 +94,72 @@ def _expand(p: str) -> Path | None:
     return root / path
 
 
-def _hf_cached(repo_id: str, revision: str | None = None) -> Path | None:
-    try:
-        from huggingface_hub import snapshot_download
+def hf_offline() -> bool:
+    """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) as huggingface_hub reads it, but read now: the library
+    reads it once, at import, and a caller's later setting must count."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return value.strip().upper() in hf_constants.ENV_VARS_TRUE_VALUES if value else False
 
-        # HF_HUB_CACHE is read now, not at import, so a caller's setting always counts
-        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True,
-                                      cache_dir=os.environ.get("HF_HUB_CACHE") or None))
-    except Exception:  # noqa: BLE001
+
+def _hub_cache() -> str:
+    # HF_HUB_CACHE is read now, not at import, so a caller's setting always counts
+    return os.environ.get("HF_HUB_CACHE") or hf_constants.HF_HUB_CACHE
+
+
+def _has_weights(path: Path) -> bool:
+    return any(path.rglob("*.safetensors"))
+
+
+def _hf_cached(repo_id: str, revision: str | None = None) -> Path | None:
+    """The cached snapshot of ``repo_id`` at ``revision`` that holds safetensors weights, or None. The same
+    patterns as the download: a snapshot fetched without the training state is complete."""
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True,
+                                      allow_patterns=PARENT_FILES, cache_dir=_hub_cache()))
+    except Exception:  # noqa: BLE001 (not in the cache, or a partial snapshot: either way, not found here)
         return None
+    return path if _has_weights(path) else None
+
+
+def _download_failure(e: Exception, repo_id: str, revision: str, catalog_entry: bool) -> str:
+    """Why the download of ``repo_id`` failed and what to do, in one line."""
+    login = "log in with `hf auth login` or set HF_TOKEN"
+    if isinstance(e, GatedRepoError):
+        return (f"the repo is gated and this machine's token may not read it: accept its terms at "
+                f"{hf_constants.ENDPOINT}/{repo_id}, then {login}")
+    if isinstance(e, RepositoryNotFoundError):
+        where = f"the catalog ({catalog_path()})" if catalog_entry else "init"
+        return (f"the Hub has no such repo, or it is private or gated and needs a token: check the repo id in "
+                f"{where}, or {login}")
+    if isinstance(e, RevisionNotFoundError):
+        where = f"its `revision:` in {catalog_path()}" if catalog_entry else "the revision"
+        return f"the repo has no revision '{revision}': fix {where}"
+    if isinstance(e, HfHubHTTPError) and e.response.status_code in (401, 403):
+        return f"the Hub refused access (HTTP {e.response.status_code}): check the token, or {login}"
+    if isinstance(e, OfflineModeIsEnabled) or isinstance(e.__cause__, OfflineModeIsEnabled):
+        return "huggingface_hub is in offline mode (HF_HUB_OFFLINE was set when it was imported)"
+    cause = e.__cause__ if isinstance(e, LocalEntryNotFoundError) and e.__cause__ is not None else e
+    text = " ".join(str(cause).split()) or "no message"
+    return (f"{type(cause).__name__}: {text[:300]}. Check the network, a proxy (HTTPS_PROXY) or HF_ENDPOINT, or "
+            "download it on a machine that can reach the Hub and copy it here")
+
+
+def _download(init: str, repo_id: str, revision: str, *, catalog_entry: bool) -> Path:
+    """Download ``repo_id`` at ``revision`` into the Hugging Face cache: the config and safetensors weights,
+    never a pickle. Raises :class:`ParentNotFound` with the cause and the fix."""
+    cache = _hub_cache()
+    say(f"downloading parent '{init}': {hf_constants.ENDPOINT}/{repo_id} at revision {revision} "
+        f"({', '.join(PARENT_FILES)}) into {cache}")
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=PARENT_FILES, cache_dir=cache))
+    except Exception as e:  # noqa: BLE001 (network, proxy, token, disk, a bad id: the user's to fix; one line says which)
+        raise ParentNotFound(f"could not download parent '{init}' ({repo_id} at revision {revision}): "
+                             f"{_download_failure(e, repo_id, revision, catalog_entry)}") from e
+    if not _has_weights(path):
+        raise ParentNotFound(f"parent '{init}' ({repo_id} at revision {revision}) has no safetensors weights "
+                             f"(downloaded to {path}); draftline never loads pickles (*.pt, *.bin): convert the "
+                             "weights to safetensors and pass init=<that directory>")
+    return path
 
 
 def _from_registry(uri: str, cache: Path) -> Parent:
@@ -100,8 +178,32 @@ def _from_registry(uri: str, cache: Path) -> Parent:
                   path=dest, model_version=f"models:/{name}/{version.version}", run_id=version.run_id)
 
 
+def _from_catalog(init: str, entry: CatalogEntry) -> Parent:
+    for cand in entry.local_dirs:
+        path = _expand(cand)
+        if path is not None and path.is_dir():
+            return Parent(init=init, name=init, source=entry.source, revision=entry.revision,
+                          path=path.resolve())
+    hub = entry.revision != LOCAL_ONLY
+    cached = _hf_cached(entry.source, entry.revision) if hub else None
+    if cached is None and hub and not hf_offline():
+        cached = _download(init, entry.source, entry.revision, catalog_entry=True)
+    if cached is not None:
+        return Parent(init=init, name=init, source=entry.source, revision=cached.name, path=cached)
+    offline = " (HF_HUB_OFFLINE is set, so draftline downloads nothing)" if hub else ""
+    pinned = f" --revision {entry.revision}" if hub and entry.revision != hf_constants.DEFAULT_REVISION else ""
+    raise ParentNotFound(
+        f"parent '{init}' ({entry.source}) is not on this machine{offline}. "
+        f"Download it first, e.g. `huggingface-cli download {entry.source}{pinned} --local-dir "
+        f"$DRAFTLINE_PARENTS_DIR/{init}` (config.json + model.safetensors), or put it in one of: "
+        f"{', '.join(entry.local_dirs)}; or pass init=<that directory>"
+        + ("; or unset HF_HUB_OFFLINE to let draftline download it" if hub else "")
+    )
+
+
 def resolve_init(init: str, *, cache: Path | None = None) -> Parent:
-    """Find the parent ``init`` names. Raises :class:`ParentNotFound` with what to do."""
+    """Find the parent ``init`` names, downloading a catalog parent or a repo id that is not on this machine
+    (unless ``HF_HUB_OFFLINE`` is set). Raises :class:`ParentNotFound` with what to do."""
     init = init.strip()
     if init in ("", "random", "none"):
         return Parent(init="random", name="random", source="none", revision="none", path=None)
@@ -109,32 +211,23 @@ def resolve_init(init: str, *, cache: Path | None = None) -> Parent:
         return _from_registry(init, cache or Path(os.environ.get("DRAFTLINE_WORK", "work")) / "cache")
     catalog = load_catalog()
     if init in catalog:
-        entry = catalog[init]
-        for cand in entry.local_dirs:
-            path = _expand(cand)
-            if path is not None and path.is_dir():
-                return Parent(init=init, name=init, source=entry.source, revision=entry.revision,
-                              path=path.resolve())
-        cached = _hf_cached(entry.source, None if entry.revision == "main" else entry.revision)
-        if cached:
-            return Parent(init=init, name=init, source=entry.source, revision=entry.revision, path=cached)
-        where = [c for c in entry.local_dirs]
-        raise ParentNotFound(
-            f"parent '{init}' ({entry.source}) is not on this machine and nothing is downloaded at run time. "
-            f"Download it first, e.g. `huggingface-cli download {entry.source} --local-dir "
-            f"$DRAFTLINE_PARENTS_DIR/{init}` (config.json + model.safetensors), or put it in one of: "
-            f"{', '.join(where)}; or pass init=<that directory>"
-        )
+        return _from_catalog(init, catalog[init])
     path = Path(init).expanduser()
     if path.is_dir():
         return Parent(init=init, name=path.resolve().name, source=str(path.resolve()), revision="local",
                       path=path.resolve())
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", init) and not path.exists():
+    offline = hf_offline()
+    repo_like = re.fullmatch(r"[\w.-]+/[\w.-]+", init) is not None and not path.exists()
+    if repo_like:
         cached = _hf_cached(init)
-        if cached:
+        if cached is None and not offline:
+            cached = _download(init, init, hf_constants.DEFAULT_REVISION, catalog_entry=False)
+        if cached is not None:
             return Parent(init=init, name=init, source=init, revision=cached.name, path=cached)
     near = difflib.get_close_matches(init, list(catalog), n=1)
     raise ParentNotFound(
         f"init '{init}' is not 'random', a catalog name ({', '.join(sorted(catalog))}), a local directory, a "
-        "Hugging Face repo in the local cache, or a models:/ URI" + (f"; did you mean '{near[0]}'?" if near else "")
+        "Hugging Face repo id, or a models:/ URI" + (f"; did you mean '{near[0]}'?" if near else "")
+        + ("; HF_HUB_OFFLINE is set, so only the local Hugging Face cache was searched" if repo_like and offline
+           else "")
     )

@@ -67,10 +67,9 @@ def layer_config(verifier_name_or_path: str, parent_config: dict | None = None) 
     parent says what it is (AQ-MedAI's config.json is a ``LlamaForCausalLMEagle3`` layer), else one derived
     from the verifier's sizes (heads of ``v_head_dim``, the verifier's dense MLP width).
     """
-    from transformers import AutoConfig
+    from draftline.serving import hf_model
 
-    verifier = AutoConfig.from_pretrained(verifier_name_or_path)
-    verifier = getattr(verifier, "text_config", verifier)
+    verifier = hf_model.load_text_config(verifier_name_or_path)
     if verifier.model_type in SUPPORTED_LAYERS:
         out = decoder_layer_fields(verifier)
     else:
@@ -155,7 +154,9 @@ def verifier_config(verifier: str, *, draft_vocab_size: int, aux_layer_ids: list
     Llama/Qwen3 verifiers, else a Llama layer) around the verifier (config.json only)."""
     from transformers import AutoConfig
 
-    vc = AutoConfig.from_pretrained(verifier)
+    from draftline.serving import hf_model
+
+    vc = hf_model.load_config(verifier)
     fields = {k: v for k, v in (layer or layer_config(verifier)).items() if k not in VERIFIER_ONLY_KEYS}
     layer_cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     return speculator_config(layer_cfg, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,

@@ -43,6 +43,8 @@ class ChainResult:
     generated_tokens: int
     seconds: float
     mismatches: list[dict] = field(default_factory=list)  # {"prompt", "position", "expected", "got"}
+    near_ties: list[dict] = field(default_factory=list)  # differences where the verifier's top-2 margin is noise
+    lossless_tolerance: float = 0.0  # the top-2 log-probability margin below which a difference is a near tie
     lossless_checked: bool = True  # False where the backend cannot see the verifier's own greedy output
     backend: str = "transformers"
     outputs: list[list[int]] = field(default_factory=list, repr=False)  # generated token ids, per prompt
@@ -80,6 +82,9 @@ class ChainResult:
         if self.lossless_checked:
             out["lossless"] = 1.0 if self.lossless else 0.0
             out["mismatched_prompts"] = float(len(self.mismatches))
+            if self.lossless_tolerance:
+                out["near_tie_prompts"] = float(len(self.near_ties))
+                out["lossless_tolerance"] = self.lossless_tolerance
         return out
 
     def to_dict(self) -> dict:

@@ -24,6 +24,7 @@ from draftline.config import EvaluateConfig, work_dir
 from draftline.console import say
 from draftline.errors import DataError
 from draftline.registry import evidence
+from draftline.serving import hf_model
 
 log = logging.getLogger(__name__)
 TARGET_RUN_TAG = "draftline.evaluate.target_run"  # the finetune run evaluated (export finds its evaluations)
@@ -75,11 +76,11 @@ def backend_of(cfg: EvaluateConfig) -> str:
 
 
 def _in_process(cfg: EvaluateConfig, drafter, verifier_dir: str, prompts, progress: bool):
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     from draftline.evaluation.chain import measure_chain
 
-    verifier = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
+    verifier = hf_model.load_causal_lm(verifier_dir, dtype=torch.float32)
     eos = GenerationConfig.from_model_config(verifier.config).eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return measure_chain(verifier, drafter, prompts, k=cfg.num_speculative_tokens,
@@ -109,6 +110,18 @@ def _measure(cfg: EvaluateConfig, backend: str, drafter, verifier_dir: str, reco
     return _in_process(cfg, drafter, verifier_dir, prompts, progress), len(prompts), None
 
 
+def _say_lossless(chain, n_prompts: int) -> None:
+    if chain.mismatches:
+        first = chain.mismatches[0]
+        say(f"BUG: speculative decoding changed the output on {len(chain.mismatches)} of "
+            f"{n_prompts} prompts (first: prompt {first['prompt']}, token {first['position']}: verifier "
+            f"{first['expected']}, got {first['got']}); greedy speculative decoding must be lossless")
+    if chain.near_ties:
+        say(f"lossless in bf16: {len(chain.near_ties)} of {n_prompts} outputs left the plain server's at a "
+            f"near tie (its top-2 log-probability margin <= {chain.lossless_tolerance}), which bf16 batched "
+            "verification may break either way; none elsewhere")
+
+
 def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     """Evaluate ``cfg.target`` on ``cfg.data``; returns the headline numbers and the run id."""
     import mlflow
@@ -130,6 +143,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     manifest = data.manifest
     data_name = dataset_name(client, cfg.data)
     verifier_dir = _verifier(cfg, manifest)
+    hf_model.trust_as_recorded(verifier_dir, manifest.get("verifier_trust_remote_code"))
     backend = backend_of(cfg)
     target = resolve_target(cfg.target, cache=cache, checkpoint=cfg.checkpoint, experiment_id=tracking.experiment_id())
     drafter = load_drafter(target, verifier_dir, manifest["aux_layer_ids"], ttt_steps=cfg.num_speculative_tokens)
@@ -159,11 +173,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
                 f"width {interval.width:.2f}; {backend})")
         recommended = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
         metrics[evidence.RECOMMENDED_K] = float(recommended)
-        if chain.mismatches:
-            first = chain.mismatches[0]
-            say(f"BUG: speculative decoding changed the output on {len(chain.mismatches)} of "
-                  f"{n_prompts} prompts (first: prompt {first['prompt']}, token {first['position']}: verifier "
-                  f"{first['expected']}, got {first['got']}); greedy speculative decoding must be lossless")
+        _say_lossless(chain, n_prompts)
 
     dataset = lineage.data_set(manifest, data_name)
     tags = {"draftline.evaluate.target": cfg.target, "draftline.evaluate.kind": target.kind,

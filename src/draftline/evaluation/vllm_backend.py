@@ -19,9 +19,11 @@ from draftline.serving.client import auth_headers, complete_with_stats, read_cou
 
 def generate_all(endpoint: str, model: str, prompts: list[list[int]], *, max_new_tokens: int,
                  concurrency: int = 8, timeout_s: float = 600.0, progress: bool = False,
-                 what: str = "vLLM", stats: list | None = None) -> tuple[list[list[int]], float]:
+                 what: str = "vLLM", stats: list | None = None,
+                 margins: list | None = None) -> tuple[list[list[int]], float]:
     """Greedy completions of every prompt, ``concurrency`` in flight: ``(outputs in prompt order, seconds)``;
-    each request's spec-decode statistics (or None) are appended to ``stats`` in prompt order."""
+    each request's spec-decode statistics (or None) are appended to ``stats`` in prompt order, and with
+    ``margins``, each output's per-token top-2 log-probability margins (:func:`complete_with_stats`)."""
     from tqdm import tqdm
 
     from draftline.console import bar_kwargs
@@ -30,17 +32,20 @@ def generate_all(endpoint: str, model: str, prompts: list[list[int]], *, max_new
     start, tokens = time.perf_counter(), [0]
     with httpx.Client() as client, ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool, \
             tqdm(total=len(prompts), desc=f"[draftline] {what}", unit="prompt", **bar_kwargs(progress)) as bar:
-        def one(prompt: list[int]) -> tuple[list[int], dict | None]:
+        def one(prompt: list[int]) -> tuple[list[int], dict | None, list[float] | None]:
+            top2: list[float] | None = [] if margins is not None else None
             out, spec = complete_with_stats(client, endpoint, model, prompt, max_tokens=max_new_tokens,
-                                            headers=headers, timeout_s=timeout_s)
+                                            headers=headers, timeout_s=timeout_s, margins=top2)
             tokens[0] += len(out)
             bar.update(1)
             bar.set_postfix_str(f"{tokens[0] / max(time.perf_counter() - start, 1e-9):.0f} tokens/s")
-            return out, spec
+            return out, spec, top2
         done = list(pool.map(one, prompts))
     if stats is not None:
-        stats.extend(spec for _, spec in done)
-    return [out for out, _ in done], time.perf_counter() - start
+        stats.extend(spec for _, spec, _ in done)
+    if margins is not None:
+        margins.extend(top2 for _, _, top2 in done)
+    return [out for out, _, _ in done], time.perf_counter() - start
 
 
 def measure_vllm(endpoint: str, model: str, prompts: list[list[int]], *, max_new_tokens: int,
@@ -84,12 +89,24 @@ def per_prompt_rows(prompts, outputs, stats, k: int) -> list[dict]:
     return rows
 
 
-def lossless_against(result: ChainResult, reference: list[list[int]]) -> ChainResult:
-    """Mark ``result`` lossless-checked against ``reference`` (the plain greedy outputs of the same prompts):
-    a first differing token per prompt is recorded in ``mismatches``."""
+def lossless_against(result: ChainResult, reference: list[list[int]], *, margins: list[list[float]] | None = None,
+                     tolerance: float = 0.0) -> ChainResult:
+    """Mark ``result`` lossless-checked against ``reference`` (the plain greedy outputs of the same prompts).
+
+    A first differing token per prompt is a mismatch (``mismatches``: a bug), unless the plain server's own top-2
+    log-probability margin at that position (``margins``) is within ``tolerance``: a near tie, which batched
+    verification in bf16 may break either way (``near_ties``). With ``tolerance`` 0 (float32) every difference
+    is a mismatch."""
     for i, (got, want) in enumerate(zip(result.outputs, reference, strict=True)):
         miss = first_mismatch(i, want, got)
-        if miss is not None:
-            result.mismatches.append(miss)
+        if miss is None:
+            continue
+        top2 = margins[i] if margins else []
+        margin = top2[miss["position"]] if miss["position"] < len(top2) else None
+        if margin is not None and margin <= tolerance:
+            result.near_ties.append({**miss, "margin": round(margin, 4)})
+        else:
+            result.mismatches.append({**miss, **({"margin": round(margin, 4)} if margin is not None else {})})
     result.lossless_checked = True
+    result.lossless_tolerance = tolerance
     return result

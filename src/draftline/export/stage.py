@@ -19,6 +19,7 @@ from draftline.export.rebuild import build_trained_model, local_verifier
 from draftline.export.room import in_store, in_tmp
 from draftline.export.upload import upload_with_checksums
 from draftline.export.validate import check_in_vllm, validate
+from draftline.serving import hf_model
 
 
 def run(cfg: ExportConfig) -> dict[str, str]:
@@ -42,6 +43,7 @@ def run(cfg: ExportConfig) -> dict[str, str]:
         raise DataError(f"run {ft_id} is not a finished finetune run (status {ft.info.status}, step "
                         f"{ft.data.tags.get('draftline.step')}); export a finetune run that finished")
     params = ft.data.params
+    hf_model.trust_as_recorded(local_verifier(params), params.get("verifier.trust_remote_code"))
     metrics = {k: v for k, v in ft.data.metrics.items() if k in lin.HEADLINE_METRICS}
 
     with tracking.stage_run("export", run_name="export",

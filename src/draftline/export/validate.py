@@ -53,13 +53,17 @@ def check_in_vllm(mode: str, out: Path, verifier_dir: str, k: int) -> str:
     if python is None:
         return "skipped: no vLLM venv (./setup.sh --vllm)"
     from draftline.serving.checks import check_serves
-    from draftline.serving.engine import EngineError
+    from draftline.serving.engine import EngineError, VerifierRefused
 
     say(f"loading the export in vLLM beside {verifier_dir} (k={k}) ...")
     try:
         found = check_serves(out, verifier_dir, k=k, python=python)
+    except VerifierRefused as e:
+        raise CheckpointError(f"export validation failed: {e}; the drafter could not be tried, nothing was "
+                              "registered") from None
     except EngineError as e:
         raise CheckpointError(f"export validation failed: vLLM refuses this drafter ({e}); nothing was "
                               "registered") from None
     say(f"vLLM served the export: {found['drafts']} drafts in {found['seconds']} s")
-    return f"passed: {found['drafts']} drafts, acceptance length {found['acceptance_length']} on probe prompts"
+    return (f"passed: {found['drafts']} drafts, acceptance length {found['acceptance_length']} on probe prompts "
+            f"({found['dtype']})")

@@ -98,7 +98,10 @@ def verifier_params(manifest: dict) -> dict[str, object]:
     return {"verifier.name_or_path": manifest.get("verifier_id") or manifest["verifier"],
             "verifier.path": manifest["verifier"],
             "verifier.revision": manifest.get("verifier_revision") or "none",
-            "verifier.aux_layers": manifest["aux_layer_ids"]}
+            "verifier.aux_layers": manifest["aux_layer_ids"],
+            "verifier.trust_remote_code": bool(manifest.get("verifier_trust_remote_code", False)),
+            "verifier.model_type": manifest.get("verifier_model_type") or "unknown",
+            "verifier.architecture": manifest.get("verifier_architecture") or "unknown"}
 
 
 def parent_params(parent, *, sha256: str, layout: str, key_remap: str) -> dict[str, str]:

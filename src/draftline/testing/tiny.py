@@ -99,16 +99,6 @@ def build_verifier(tokenizer, *, hidden_size, intermediate_size, num_hidden_laye
 def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, seed: int = 0,
               progress: bool = True) -> dict[str, Path]:
     """Build the tiny verifier and its tiny parent under ``out_dir``; returns their paths."""
-    import torch
-    from safetensors.torch import save_file
-
-    from draftline.data.capture import capture_hidden_states
-    from draftline.data.tokenize import tokenize_conversations
-    from draftline.drafter.checkpoints import to_midlayer_layout
-    from draftline.drafter.model import build_draft_model, train_steps_in_process
-    from draftline.drafter.shape import default_aux_layers, specforge_config
-    from draftline.drafter.vocab import build_vocab
-
     out_dir = Path(out_dir)
     verifier_dir, parent_dir = out_dir / "verifier", out_dir / "parent"
     texts = _corpus_texts(conversations)
@@ -122,23 +112,45 @@ def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, see
     cfg_file = verifier_dir / "config.json"
     cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "_name_or_path": TINY_VERIFIER_ID}, indent=2))
 
-    # The parent learns from the first half of the conversations; users finetune on whatever they bring.
-    from draftline.data.conversations import load_conversations
+    parent_dir = write_parent(verifier, verifier_dir, tokenizer, conversations, parent_dir,
+                              draft_vocab_size=TINY_DEFAULTS["draft_vocab_size"], parent_steps=parent_steps,
+                              seed=seed, progress=progress)
+    return {"verifier": verifier_dir, "parent": parent_dir}
 
+
+def write_parent(verifier, verifier_dir: Path, tokenizer, conversations: Path, parent_dir: Path, *,
+                 draft_vocab_size: int, parent_steps: int, seed: int, progress: bool) -> Path:
+    """An AQ-MedAI-layout parent for ``verifier`` (its causal LM, saved in ``verifier_dir``): a drafter trained
+    ``parent_steps`` steps on the verifier's hidden states over the first half of ``conversations``, saved in
+    bf16 with ``midlayer.*`` keys, ``d2t``/``t2d`` and SpecForge's config.json."""
+    import torch
+    from safetensors.torch import save_file
+
+    from draftline.data.capture import capture_hidden_states
+    from draftline.data.conversations import load_conversations
+    from draftline.data.tokenize import tokenize_conversations
+    from draftline.drafter.checkpoints import to_midlayer_layout
+    from draftline.drafter.model import build_draft_model, train_steps_in_process
+    from draftline.drafter.shape import default_aux_layers, layer_config, specforge_config
+    from draftline.drafter.vocab import build_vocab
+
+    # The parent learns from the first half of the conversations; users finetune on whatever they bring.
     samples = tokenize_conversations(load_conversations(conversations).samples, tokenizer, max_length=512)
     samples = samples[: max(1, len(samples) // 2)]
+    vocab_size = verifier.config.vocab_size
     aux = default_aux_layers(verifier.config.num_hidden_layers)
     batch = capture_hidden_states(verifier, samples, aux, progress=progress)
-    freqs = torch.zeros(verifier.config.vocab_size, dtype=torch.long)
+    freqs = torch.zeros(vocab_size, dtype=torch.long)
     for s in samples:
         ids = torch.tensor(s.input_ids)[torch.tensor(s.loss_mask, dtype=torch.bool)]
-        freqs += torch.bincount(ids, minlength=verifier.config.vocab_size)
-    d2t, t2d = build_vocab(freqs, TINY_DEFAULTS["draft_vocab_size"])
+        freqs += torch.bincount(ids, minlength=vocab_size)
+    d2t, t2d = build_vocab(freqs, draft_vocab_size)
 
     torch.manual_seed(seed)
     # fp32 here only because bf16 matmuls are ~10x slower on a CPU; the parent is saved in bf16 like AQ-MedAI's
+    layer = layer_config(str(verifier_dir))
     model = build_draft_model(str(verifier_dir), d2t=d2t, t2d=t2d, aux_layer_ids=aux,
-                              draft_vocab_size=TINY_DEFAULTS["draft_vocab_size"], dtype=torch.float32)
+                              draft_vocab_size=draft_vocab_size, dtype=torch.float32, layer=layer)
     train_steps_in_process(model, batch, steps=parent_steps, lr=3e-3, tokens_per_batch=512, seed=seed,
                            progress=progress)
 
@@ -146,6 +158,7 @@ def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, see
     state = to_midlayer_layout({k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v
                                 for k, v in model.state_dict().items()})
     save_file(state, parent_dir / "model.safetensors", metadata={"format": "pt"})
-    cfg = specforge_config(verifier.config, draft_vocab_size=TINY_DEFAULTS["draft_vocab_size"], aux_layer_ids=aux)
+    cfg = specforge_config(model.config.transformer_layer_config, draft_vocab_size=draft_vocab_size,
+                           aux_layer_ids=aux)
     (parent_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return {"verifier": verifier_dir, "parent": parent_dir}
+    return parent_dir

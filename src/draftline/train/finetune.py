@@ -19,6 +19,7 @@ from draftline.drafter.model import LAYER_FILE, PAIRING
 from draftline.drafter.shape import key_remap, layer_config
 from draftline.errors import CheckpointError, DataError
 from draftline.registry import lineage
+from draftline.serving import hf_model
 from draftline.train import precision, preflight
 from draftline.train.spec import WorkerSpec
 
@@ -230,6 +231,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     data_run_id = tracking.parse_run_ref(cfg.data)[0] if cfg.data.startswith("runs:/") else None
     data = open_prepared(resolve_data(cfg.data), verify=cfg.verify_data)
     manifest = data.manifest
+    hf_model.trust_as_recorded(manifest["verifier"], manifest.get("verifier_trust_remote_code"))
     eval_data = open_prepared(resolve_data(cfg.eval_data), verify=True) \
         if cfg.eval_data else None
     if eval_data is not None:

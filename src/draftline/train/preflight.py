@@ -13,6 +13,7 @@ import time
 import torch
 
 from draftline.errors import CheckpointError, DataError
+from draftline.serving import hf_model
 
 
 def drafter_shapes(verifier: str, layer: dict, *, aux_layer_ids: list[int], draft_vocab_size: int) -> dict[str, tuple[int, ...]]:
@@ -33,10 +34,7 @@ def drafter_shapes(verifier: str, layer: dict, *, aux_layer_ids: list[int], draf
 def check_verifier(verifier: str, layer: dict, manifest: dict) -> None:
     """The verifier's config against the drafter's layer and the data (speculators refuses a hidden-size
     mismatch only inside the ranks, after loading the embeddings)."""
-    from transformers import AutoConfig
-
-    vc = AutoConfig.from_pretrained(verifier)
-    vc = getattr(vc, "text_config", vc)
+    vc = hf_model.load_text_config(verifier)
     if vc.hidden_size != layer["hidden_size"]:
         raise CheckpointError(f"the drafter's layer has hidden size {layer['hidden_size']} but the verifier "
                               f"{verifier} has {vc.hidden_size}: choose a parent made for this verifier")
