@@ -100,14 +100,19 @@ def test_real_vllm_captures_what_transformers_captures(family, tiny, kimi, tmp_p
 def test_a_quantized_kimi_verifiers_drafter_never_inherits_it_and_vllm_serves_the_export(kimi, tmp_path,
                                                                                         vllm_python):
     """The export trap on the Kimi form: the drafter built for the verifier with a quantization_config has none
-    in its layer, and real vLLM (bf16, --trust-remote-code) drafts with it beside the Kimi verifier."""
+    in its layer, and real vLLM (bf16, --trust-remote-code) drafts with it beside the Kimi verifier, where this
+    host's vLLM can pair an MLA verifier with a drafter (a GPU, or a CPU with AMX); elsewhere export's check says
+    why it cannot run, in one line."""
     import torch
 
     from draftline.drafter.model import build_draft_model
     from draftline.drafter.shape import layer_config
+    from draftline.errors import CheckpointError
     from draftline.export.directory import write_drafter
+    from draftline.export.validate import check_in_vllm
     from draftline.serving import hf_model
     from draftline.serving.checks import check_serves
+    from draftline.serving.engine import cannot_draft_beside
     from draftline.testing.kimi import KIMI_VERIFIER_ID
 
     for form in ("verifier", "verifier_quantized"):
@@ -120,6 +125,13 @@ def test_a_quantized_kimi_verifiers_drafter_never_inherits_it_and_vllm_serves_th
     model = build_draft_model(str(kimi["verifier_quantized"]), d2t=d2t, t2d=t2d, aux_layer_ids=[2, 4, 5],
                               draft_vocab_size=256, dtype=torch.bfloat16, layer=layer)
     write_drafter(model, tmp_path / "drafter", {"verifier.name_or_path": KIMI_VERIFIER_ID}, {})
+    reason = cannot_draft_beside(kimi["verifier"])
+    if reason:
+        assert "no Intel AMX here" in reason
+        with pytest.raises(CheckpointError, match="--vllm-check on cannot run here: vLLM on this CPU"):
+            check_in_vllm("on", tmp_path / "drafter", str(kimi["verifier"]), 3)
+        assert check_in_vllm("auto", tmp_path / "drafter", str(kimi["verifier"]), 3).startswith("skipped: vLLM")
+        return
     found = check_serves(tmp_path / "drafter", kimi["verifier"], k=3, python=vllm_python)
     assert found["dtype"] == "bfloat16" and found["drafts"] > 0
 
@@ -132,7 +144,7 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     lossless up to near ties) -> export with the vLLM check on -> promote -> pull --stage Production ->
     `vllm serve <pulled dir>` (the short form, offline) drafting."""
     from draftline.serving.client import read_counters
-    from draftline.serving.engine import ServeSpec, VllmServer
+    from draftline.serving.engine import ServeSpec, VllmServer, cannot_draft_beside
     from draftline.serving.hf_cache import register
     from draftline.serving.hf_model import allow_custom_code
     from draftline.testing.kimi import KIMI_VERIFIER_ID
@@ -162,14 +174,19 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     assert fp["parent.layout"] == "midlayer" and fp["parent.key_remap"] == "midlayer.->layers.0."
     assert fp["verifier.trust_remote_code"] == "True" and fp["vocab.policy"] == "rebuild"
 
-    child = invoke("evaluate", "--target", f"runs:/{ft['run_id']}", "--data", ev["data_uri"], "--backend", "vllm",
-                   "--max-new-tokens", "24")
-    assert child["backend"] == "vllm" and child["lossless"] is True, child
+    # vLLM measures where it can pair the MLA verifier with a drafter (a GPU, a CPU with AMX); else this process
+    reason = cannot_draft_beside(verifier)
+    child = invoke("evaluate", "--target", f"runs:/{ft['run_id']}", "--data", ev["data_uri"], "--max-new-tokens",
+                   "24")
+    assert child["backend"] == ("transformers" if reason else "vllm") and child["lossless"] is True, child
     assert child["measured_acceptance_length"] > 1.0
 
-    ex = invoke("export", "--run", ft["run_id"], "--registered-model", "kimi-drafter", "--vllm-check", "on")
+    ex = invoke("export", "--run", ft["run_id"], "--registered-model", "kimi-drafter")
     mv = client.get_model_version("kimi-drafter", ex["version"])
-    assert mv.tags["export.vllm_check"].startswith("passed") and "bfloat16" in mv.tags["export.vllm_check"]
+    if reason:
+        assert mv.tags["export.vllm_check"] == f"skipped: {reason}"
+    else:
+        assert mv.tags["export.vllm_check"].startswith("passed") and "bfloat16" in mv.tags["export.vllm_check"]
     assert mv.tags["verifier.name_or_path"] == KIMI_VERIFIER_ID
     policies = tmp_path / "policies"
     policies.mkdir()
@@ -177,6 +194,8 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     monkeypatch.setenv("DRAFTLINE_REGISTRY_POLICIES", str(policies))
     invoke("promote", "kimi-drafter", ex["version"], "--to", "Production")
     invoke("pull", "kimi-drafter", "--stage", "Production", "--dest", str(tmp_path / "srv"), "--json")
+    if reason:
+        return
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     register(verifier, KIMI_VERIFIER_ID, cache=tmp_path / "hf-cache")

@@ -23,10 +23,12 @@ def build_draft_model(verifier_name_or_path: str, *, d2t: torch.Tensor, t2d: tor
     from transformers import AutoConfig
 
     from draftline.drafter.shape import VERIFIER_ONLY_KEYS, layer_config
+    from draftline.serving.hf_model import is_trusted, load_config
 
     # a hand-off written before layer_config dropped them may still carry the verifier's quantization
     layer = {k: v for k, v in (layer or layer_config(verifier_name_or_path)).items() if k not in VERIFIER_ONLY_KEYS}
     layer_cfg = AutoConfig.for_model(layer.pop("model_type"), **layer)
+    load_config(verifier_name_or_path)  # a trusted custom config class, registered for speculators' own reads
     model = Eagle3DraftModel.from_training_args(
         verifier_config=layer_cfg,
         t2d=t2d,
@@ -37,6 +39,7 @@ def build_draft_model(verifier_name_or_path: str, *, d2t: torch.Tensor, t2d: tor
         norm_before_residual=norm_before_residual,
         ttt_steps=ttt_steps,
         draft_attn_impl=attn_impl,
+        trust_remote_code=is_trusted(verifier_name_or_path),
     )
     return model.to(dtype)
 

@@ -22,7 +22,7 @@ import torch
 
 from draftline.config import EvaluateConfig, work_dir
 from draftline.console import say
-from draftline.errors import DataError
+from draftline.errors import DataError, UsageError
 from draftline.registry import evidence
 from draftline.serving import hf_model
 
@@ -61,7 +61,7 @@ def _predicted(cfg: EvaluateConfig, drafter, records, manifest: dict, measured: 
     return {evidence.PREDICTED: predicted, "eval/predicted/difference": measured - predicted}
 
 
-def backend_of(cfg: EvaluateConfig) -> str:
+def backend_of(cfg: EvaluateConfig, verifier_dir: str) -> str:
     """Where the measured figure comes from: ``vllm-endpoint`` (a server the user runs), ``vllm`` (a loopback
     vLLM this command starts), ``transformers`` (in this process) or ``none``. Checked before the run exists."""
     if not cfg.measured:
@@ -70,8 +70,14 @@ def backend_of(cfg: EvaluateConfig) -> str:
         return "vllm-endpoint"
     if cfg.backend == "transformers":
         return "transformers"
-    from draftline.serving.engine import vllm_python
+    from draftline.serving.engine import cannot_draft_beside, vllm_python
 
+    reason = cannot_draft_beside(verifier_dir)
+    if reason and cfg.backend == "vllm":
+        raise UsageError(f"--backend vllm cannot measure here: {reason}; pass --backend transformers (or auto)")
+    if reason:
+        say(f"measuring in this process: {reason}")
+        return "transformers"
     return "vllm" if vllm_python(required=cfg.backend == "vllm") else "transformers"
 
 
@@ -144,7 +150,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     data_name = dataset_name(client, cfg.data)
     verifier_dir = _verifier(cfg, manifest)
     hf_model.trust_as_recorded(verifier_dir, manifest.get("verifier_trust_remote_code"))
-    backend = backend_of(cfg)
+    backend = backend_of(cfg, verifier_dir)
     target = resolve_target(cfg.target, cache=cache, checkpoint=cfg.checkpoint, experiment_id=tracking.experiment_id())
     drafter = load_drafter(target, verifier_dir, manifest["aux_layer_ids"], ttt_steps=cfg.num_speculative_tokens)
     records = data.records()

@@ -53,7 +53,15 @@ def check_in_vllm(mode: str, out: Path, verifier_dir: str, k: int) -> str:
     if python is None:
         return "skipped: no vLLM venv (./setup.sh --vllm)"
     from draftline.serving.checks import check_serves
-    from draftline.serving.engine import EngineError, VerifierRefused
+    from draftline.serving.engine import EngineError, VerifierRefused, cannot_draft_beside
+
+    reason = cannot_draft_beside(verifier_dir)
+    if reason and mode == "on":
+        raise CheckpointError(f"--vllm-check on cannot run here: {reason}; export on such a host, or pass "
+                              "--vllm-check auto (it records the check as skipped)")
+    if reason:
+        say(f"vLLM check skipped: {reason}")
+        return f"skipped: {reason}"
 
     say(f"loading the export in vLLM beside {verifier_dir} (k={k}) ...")
     try:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 
 from draftline.errors import ConfigError, DraftlineError
 from draftline.serving import hf_model
@@ -79,6 +80,24 @@ def extra_vllm_args() -> list[str]:
         return shlex.split(os.environ.get(ARGS_ENV, ""))
     except ValueError as e:
         raise ConfigError(f"{ARGS_ENV} is not a valid shell-quoted list of vLLM flags ({e})") from None
+
+
+def cannot_draft_beside(verifier: str | Path) -> str | None:
+    """Why vLLM on this host cannot serve ``verifier`` with an EAGLE-3 drafter, or None. vLLM's CPU backend
+    serves an MLA verifier through its AMX kernels (Intel AMX) or, without AMX, through a reference kernel that
+    takes KV blocks of 16 only, while the drafter's attention takes multiples of 32: "No common block size"."""
+    if not hf_model.uses_mla(verifier) or torch.cuda.is_available() or _cpu_has_amx():
+        return None
+    return ("vLLM on this CPU serves an MLA verifier with its reference kernel (no Intel AMX here), whose KV "
+            "blocks of 16 no EAGLE-3 drafter's attention shares (multiples of 32): a GPU host, or a CPU with "
+            "AMX, serves it with a drafter")
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
@@ -69,7 +69,7 @@ def custom_code(path: str | Path) -> list[str]:
     d = Path(path)
     out = []
     config = _json(d / "config.json")
-    if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING:
+    if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING_NAMES:
         out.append(f"config.json (model_type {config.get('model_type')!r}: "
                    f"{', '.join(sorted({str(v).split('.')[0] + '.py' for v in config['auto_map'].values()}))})")
     tok = _json(d / "tokenizer_config.json")
@@ -94,9 +94,15 @@ def check_custom_code(path: str | Path) -> None:
 
 
 def load_config(path: str | Path):
-    """The directory's full config (a wrapper's too), custom code only when trusted."""
+    """The directory's full config (a wrapper's too), custom code only when trusted. A trusted config class
+    transformers does not have is registered with ``AutoConfig`` under its ``model_type``, so that libraries
+    that read the verifier's config without asking about custom code (speculators' ``load_verifier_weights``)
+    read it with the same class in this process."""
     check_custom_code(path)
-    return AutoConfig.from_pretrained(str(path), trust_remote_code=is_trusted(path))
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=is_trusted(path))
+    if config.model_type not in CONFIG_MAPPING:
+        AutoConfig.register(config.model_type, type(config))
+    return config
 
 
 def text_config(config):
