@@ -16,6 +16,7 @@
     python -m benchmarks.run prediction             (a finished ./demo_real.sh run: what teacher-forced predicts vs vLLM)
     python -m benchmarks.run real-tier [--log LOG]  (a finished ./demo_real.sh run -> real-tier-smollm2-<scale>.json)
     python -m benchmarks.run artifact-bytes [--shape real|tiny]  (what finetune logs / bf16 weight bytes)
+    python -m benchmarks.run capture                (vLLM vs transformers capture, Llama and Kimi-shaped tiny)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan", "data",
                                          "regenerate", "evaluation", "fleet", "real-tier", "artifact-bytes",
-                                         "server-requests", "serving", "scaling", "recipe", "prediction"])
+                                         "server-requests", "serving", "scaling", "recipe", "prediction", "capture"])
     ap.add_argument("--shape", default=None, choices=["tiny", "real", "smollm2"])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
@@ -130,6 +131,10 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
         from benchmarks.artifact_bytes import run
 
         result = run(shape=args.shape or "real")
+    elif args.name == "capture":
+        from benchmarks.capture import run
+
+        result = run()
     elif args.name == "registry":
         from benchmarks.registry import run
 

@@ -6,13 +6,31 @@ Precedence is flag > config file > default, applied by :func:`resolve` (pure: it
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from draftline.errors import ConfigError
+from draftline.errors import ConfigError, UsageError
+
+
+MODEL_NAME_RULE = "letters a-z A-Z, digits 0-9, '-', '_' and '.', beginning with a letter or digit"
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_model_name(name: str) -> str:
+    """The one rule for registered model names, in every command that takes one (export, main, promote,
+    rollback, pull, list, compare, lineage): exactly :data:`MODEL_NAME_RULE`, so the name is safe in
+    ``models:/NAME/VERSION`` URIs, shell commands and file names. Returns ``name``; raises :class:`UsageError`."""
+    if _MODEL_NAME.fullmatch(name):
+        return name
+    odd = sorted({c for c in name if not _MODEL_NAME.fullmatch("a" + c)})
+    why = ("it is empty" if not name else
+           "it has " + ", ".join("a space" if c == " " else repr(c) for c in odd) if odd else
+           f"it begins with {name[0]!r}")
+    raise UsageError(f"{name!r} cannot be a registered model name ({why}): use only {MODEL_NAME_RULE}")
 
 
 class _Strict(BaseModel):
@@ -145,8 +163,8 @@ class FinetuneConfig(_Strict):
 
 class ExportConfig(_Strict):
     run: str = Field(description="Finetune run: its id or `runs:/<id>`.")
-    registered_model: str = Field("draftline-drafter", min_length=1,
-                                  description="Registered model the version is added to.")
+    registered_model: str = Field("draftline-drafter", description="Registered model the version is added to "
+                                  f"({MODEL_NAME_RULE}).")
     verifier_id: str | None = Field(None, description="The id serving hosts load the verifier by (Hugging Face "
                                     "repo id), written into the exported config.json and checked by `pull "
                                     "--verifier` [default: the one the data recorded].")
@@ -158,11 +176,7 @@ class ExportConfig(_Strict):
     @field_validator("registered_model")
     @classmethod
     def _model_name(cls, v: str) -> str:
-        bad = [c for c in "/:%\\" if c in v]
-        if bad or v != v.strip():
-            raise ValueError(f"{v!r} cannot be a registered model name (no {' '.join(bad) or 'edge spaces'}: "
-                             "the name becomes part of models:/NAME/VERSION URIs); use letters, digits, - _ .")
-        return v
+        return check_model_name(v)  # a UsageError passes through pydantic: the same line as every command's
 
     vllm_check: Literal["auto", "on", "off"] = Field("auto", description="Before registering, load the export in "
                                                      "real vLLM beside the verifier and draft with it (auto: when "
@@ -271,9 +285,10 @@ def resolve(model: type[BaseModel], *, flags: dict[str, Any] | None = None, file
     try:
         return model(**values)
     except ValidationError as e:
-        lines = [f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
-        raise ConfigError(f"invalid {model.__name__.removesuffix('Config').lower()} settings:\n  "
-                          + "\n  ".join(lines)) from None
+        stage = model.__name__.removesuffix("Config").lower()
+        problems = [f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"invalid {stage} settings: {'; '.join(problems)} (`draftline {stage} --help` "
+                          "lists them)") from None
 
 
 # names other trainers give a setting (Hugging Face TrainingArguments, DeepSpeed, speculators) -> ours

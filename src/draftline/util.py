@@ -5,9 +5,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shlex
+import signal
 import socket
+import sys
 import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from draftline.errors import Interrupted
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def atomic_write_text(path: Path, text: str) -> Path:
@@ -72,3 +81,28 @@ def exclusive(lock_file: Path, *, busy: str):
         except BlockingIOError:
             raise DataError(busy) from None
         yield
+
+
+def same_command() -> str:
+    """The command this process was started with, to run again (``draftline prepare ...``)."""
+    return "draftline " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "the same command"
+
+
+@contextlib.contextmanager
+def interrupt_on_signals(message: Callable[[str], str]) -> Iterator[None]:
+    """While the block runs, SIGTERM/SIGINT raise :class:`Interrupted` (``message(signal name)``; exit 143/130),
+    so the stage's MLflow run ends KILLED and the servers it started stop, instead of the process vanishing with
+    its run RUNNING (or click's bare "Aborted!")."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_interrupted(signum, _frame):
+        raise Interrupted(message(signal.Signals(signum).name), signum)
+
+    previous = {s: signal.signal(s, raise_interrupted) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -16,6 +16,7 @@ import typing
 
 import click
 
+from draftline.config import check_model_name
 from draftline.errors import DraftlineError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -36,14 +37,50 @@ class _Command(click.Command):
 
 
 class _Group(click.Group):
+    """Every expected failure ends in one ``error: …`` line and its exit code: a :class:`DraftlineError`, and
+    click's own usage errors (a bad flag, a missing argument, a value its type refuses), which click would
+    print as a usage block of several lines. ``--help`` (and ``draftline`` alone) print the help as before."""
+
     command_class = _Command
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:  # the group's own flags: `draftline --bogus`
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.ClickException as e:
+            _one_line(_usage_message(e), e.exit_code)
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except DraftlineError as e:
-            click.secho(f"error: {e}", fg="red", err=True)
-            ctx.exit(e.exit_code)
+            _one_line(str(e), e.exit_code)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.ClickException as e:  # a command's flags and arguments, and its own click.UsageError
+            _one_line(_usage_message(e), e.exit_code)
+
+
+def _usage_message(e: click.ClickException) -> str:
+    """click's message on one line, pointing at the command's help."""
+    message = " ".join(line.strip() for line in e.format_message().splitlines() if line.strip())
+    ctx = getattr(e, "ctx", None)
+    if ctx is None:
+        return message
+    message = message.rstrip(".")
+    return f"{message}{' ' if message.endswith('?') else '; '}see `{ctx.command_path} --help`"
+
+
+def _one_line(message: str, code: int) -> typing.NoReturn:
+    click.secho(f"error: {message}", fg="red", err=True)
+    raise click.exceptions.Exit(code)
+
+
+def model_name(ctx, param, value):
+    """click callback of every registered-model NAME argument and option: the one rule for names
+    (:func:`draftline.config.check_model_name`), before anything is read or changed."""
+    return value if value is None else check_model_name(value)
 
 
 def _is_list(annotation) -> bool:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from draftline.cli.common import _stdout_to_stderr, cli
+from draftline.cli.common import _stdout_to_stderr, cli, model_name
 
 
 def _client():
@@ -31,7 +31,7 @@ def _report(out: dict, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("name")
+@click.argument("name", callback=model_name)
 @click.argument("version")
 @click.option("--to", "stage", type=click.Choice(["Staging", "Production"], case_sensitive=False), required=True,
               help="The stage to promote to.")
@@ -53,7 +53,7 @@ def promote(name, version, stage, policy_file, dry_run, demote, as_json):
 
 
 @cli.command()
-@click.argument("name")
+@click.argument("name", callback=model_name)
 @click.option("--to", "version", default=None, help="The version to put back [default: the one Production held "
               "before the current holder].")
 @click.option("--reason", required=True, help="Why (recorded on the version with who and when).")
@@ -71,7 +71,7 @@ def rollback(name, version, reason, policy_file, as_json):
 
 
 @cli.command("list")
-@click.argument("name", required=False)
+@click.argument("name", required=False, callback=model_name)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 def list_cmd(name, as_json):
     """The registered models (aliases, latest version), or NAME's versions (stage, aliases, headline metric,
@@ -88,7 +88,7 @@ def list_cmd(name, as_json):
 
 
 @cli.command()
-@click.argument("name")
+@click.argument("name", callback=model_name)
 @click.argument("versions", nargs=-1, required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 def compare(name, versions, as_json):
@@ -102,7 +102,7 @@ def compare(name, versions, as_json):
 
 
 @cli.command()
-@click.argument("name", required=False)
+@click.argument("name", required=False, callback=model_name)
 @click.option("--stage", default=None, help="Pull the version in this stage (e.g. Production).")
 @click.option("--alias", default=None, help="Pull the version this alias points at (e.g. production).")
 @click.option("--version", "version", default=None, help="Pull this version number.")
@@ -148,7 +148,7 @@ def pull(name, stage, alias, version, dest, verifier, no_cache, as_json, verify_
 
 
 @cli.command()
-@click.argument("name")
+@click.argument("name", callback=model_name)
 @click.argument("version")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 def lineage(name, version, as_json):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, settings_options
+from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, model_name, settings_options
 from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig
 from draftline.serving.verifiers import CATALOG as VERIFIERS
 
@@ -111,7 +111,7 @@ def export(config_file, **flags):
 @click.option("--init", default=FinetuneConfig.model_fields["init"].default, show_default=True,
               help="Parent drafter (see finetune --help).")
 @click.option("--registered-model", default=ExportConfig.model_fields["registered_model"].default, show_default=True,
-              help="Registered model the version is added to.")
+              callback=model_name, help=ExportConfig.model_fields["registered_model"].description)
 @click.option("--set", "overrides", multiple=True, metavar="STEP.KEY=VALUE",
               help="Extra entry-point parameter, e.g. finetune.steps=20 (repeatable).")
 @click.option("--no-cache", is_flag=True, help="Rerun every step even if a matching finished run exists.")

@@ -22,6 +22,7 @@ from draftline.data import shards
 from draftline.errors import DataError
 from draftline.registry.lineage import verifier_identity
 from draftline.serving import hf_model
+from draftline.util import interrupt_on_signals, same_command
 
 log = logging.getLogger(__name__)
 
@@ -253,13 +254,14 @@ def preflight(cfg: PrepareConfig) -> None:
 
         vllm_python(required=True)  # the loopback capture server needs the vLLM venv
     if cfg.regenerate_endpoint:
-        from draftline.data.regenerate import served_models
+        from draftline.data.regenerate import probe, served_models
         from draftline.serving.client import redact
 
         models = served_models(cfg.regenerate_endpoint)
         if cfg.regenerate_model and cfg.regenerate_model not in models:
             raise DataError(f"the regeneration endpoint {redact(cfg.regenerate_endpoint)} does not serve "
                             f"{cfg.regenerate_model}: pass --regenerate-model with one of {', '.join(models)}")
+        probe(cfg.regenerate_endpoint, cfg.regenerate_model or models[0])
 
 
 def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
@@ -273,8 +275,11 @@ def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
     tracking.setup()
     key = prepare_key(cfg)
     out = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else work_dir() / "prepared" / key[:16]
-    with shards.exclusive(out), tracking.stage_run("prepare", run_name="prepare", run_id=_unfinished_run(key),
-                                                   tags={"draftline.prepare.key": key}) as active:
+    stopped = lambda name: (f"prepare stopped by {name}; the answers and shards finished so far are kept in "  # noqa: E731
+                            f"{out}: resume with {same_command()}")
+    with interrupt_on_signals(stopped), shards.exclusive(out), \
+            tracking.stage_run("prepare", run_name="prepare", run_id=_unfinished_run(key),
+                               tags={"draftline.prepare.key": key}) as active:
         run_id = active.info.run_id
         manifest = build_data(cfg, out, progress=progress, key=key)
         tracking.log_params_once({

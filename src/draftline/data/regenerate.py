@@ -108,6 +108,33 @@ def served_models(endpoint: str, *, timeout_s: float = 10.0, what: str = "regene
     return ids
 
 
+def probe(endpoint: str, model: str | None, *, timeout_s: float = 120.0) -> None:
+    """One real chat completion (``max_tokens`` 1), before prepare opens a run: a server that lists its models
+    but cannot answer (501, a dead engine behind a live API) is refused here, in one line, with nothing written."""
+    shown = redact(endpoint)
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1, "temperature": 0.0,
+            **({"model": model} if model else {})}
+    try:
+        r = httpx.post(endpoint.rstrip("/") + "/chat/completions", json=body, headers=_headers(), timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise DataError(f"regeneration endpoint {shown} did not answer a test request ({type(e).__name__}); "
+                        "check the server's log, or fix --regenerate-endpoint") from None
+    if r.status_code != 200:
+        raise DataError(f"regeneration endpoint {shown} lists its models but answered a test request with HTTP "
+                        f"{r.status_code} ({first_line(r.text)}); check the server's log: nothing was started")
+
+
+class _Dead(Exception):
+    """The server stopped answering altogether (not one conversation it could not answer)."""
+
+
+async def _answers(client: httpx.AsyncClient) -> bool:
+    try:
+        return (await client.get("models", timeout=10.0)).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
 def _reply(body: dict) -> dict:
     """The assistant message of a chat completion response, with ``token_ids`` when the server sent them."""
     try:
@@ -188,6 +215,8 @@ async def _run(samples: list[dict], todo: list[int], partial: Path, endpoint: st
                     try:
                         messages = await _replay(client, samples[i]["messages"], settings, max_attempts, backoff_s)
                     except _Failed as e:
+                        if not await _answers(client):  # the server is gone: stop asking, keep what came back
+                            raise _Dead(str(e)) from None
                         failures[i] = str(e)
                         bar.set_postfix(failed=len(failures))
                         continue
@@ -260,9 +289,15 @@ def regenerate(samples: list[dict], endpoint: str, *, model: str | None = None, 
                      len(reused))
         settings = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
                     "return_token_ids": True}
-        new, failures = _await(_run(samples, todo, partial, endpoint, settings, concurrency=concurrency,
-                                    max_attempts=max_attempts, backoff_s=backoff_s, timeout_s=timeout_s,
-                                    progress=progress)) if todo else ({}, {})
+        try:
+            new, failures = _await(_run(samples, todo, partial, endpoint, settings, concurrency=concurrency,
+                                        max_attempts=max_attempts, backoff_s=backoff_s, timeout_s=timeout_s,
+                                        progress=progress)) if todo else ({}, {})
+        except _Dead as e:
+            kept = len(_read(partial, len(samples))[0])
+            raise DataError(f"the regeneration endpoint {shown} stopped answering after {kept} of {len(samples)} "
+                            f"conversations ({e}); the {kept} answers are kept in {partial}: restart the server and "
+                            f"run prepare again, it asks only for the {len(samples) - kept} missing") from None
         if not reused and not new:
             first = next(iter(failures.values()), "")
             raise DataError(f"regeneration through {shown} failed for all {len(samples)} conversations "

@@ -25,6 +25,7 @@ from draftline.console import say
 from draftline.errors import DataError, UsageError
 from draftline.registry import evidence
 from draftline.serving import hf_model
+from draftline.util import interrupt_on_signals, same_command
 
 log = logging.getLogger(__name__)
 TARGET_RUN_TAG = "draftline.evaluate.target_run"  # the finetune run evaluated (export finds its evaluations)
@@ -129,7 +130,16 @@ def _say_lossless(chain, n_prompts: int) -> None:
 
 
 def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
-    """Evaluate ``cfg.target`` on ``cfg.data``; returns the headline numbers and the run id."""
+    """Evaluate ``cfg.target`` on ``cfg.data``; returns the headline numbers and the run id. SIGTERM/SIGINT stop
+    it with exit 143/130 and one line: the metrics are logged in one go at the end, so a stopped evaluation
+    logged nothing (its run, if it had opened one, ends KILLED)."""
+    stopped = lambda name: (f"evaluate stopped by {name}; nothing was logged on the drafter: run it again with "  # noqa: E731
+                            f"{same_command()}")
+    with interrupt_on_signals(stopped):
+        return _run(cfg, progress=progress)
+
+
+def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     import mlflow
 
     from draftline import tracking

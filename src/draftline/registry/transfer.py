@@ -9,8 +9,9 @@ digest (``$DRAFTLINE_CACHE_DIR/blobs/sha256/<digest>``, default ``~/.cache/draft
 into place, hashing the bytes as it writes them: "verified" always means hashed in this pull. Never a hard
 link, so a destination shares no inode with the cache or with another destination (a blob edited in place, size
 and mtime kept, used to change every earlier destination and be handed on unchecked). A blob whose size or
-mtime changed is downloaded again; one whose bytes changed behind an unchanged size and mtime is caught by the
-hash of the copy, removed from the cache, and the pull refused naming it. The destination only ever receives a
+mtime changed is evicted and downloaded again, saying so in one line; one whose bytes changed behind an
+unchanged size and mtime is caught by the hash of the copy, removed from the cache, and the pull refused naming
+it. The destination only ever receives a
 complete, verified directory: files are assembled beside it and moved in last.
 """
 
@@ -31,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 from draftline.config import cache_root
+from draftline.console import bar_kwargs, say
 from draftline.errors import DraftlineError, VerificationError
 from draftline.registry.retry import retrying, unavailable
 from draftline.util import atomic_write_text, file_sha256, manifest_digest
@@ -122,14 +124,22 @@ class BlobCache:
         blob = self.root / digest[:2] / digest
         return blob, blob.with_suffix(".stat")
 
-    def get(self, digest: str) -> Path | None:
+    def get(self, digest: str, name: str | None = None) -> Path | None:
+        """The blob of ``digest`` (the file ``name`` of a pull), or None. A blob whose size or modification time
+        is no longer what it had when it was verified is evicted, saying so in one line: the pull downloads it
+        again."""
         blob, stat = self._paths(digest)
         try:
             recorded = json.loads(stat.read_text())
             st = blob.stat()
         except (OSError, ValueError):
             return None
-        return blob if recorded == {"size": st.st_size, "mtime_ns": st.st_mtime_ns} else None
+        if recorded == {"size": st.st_size, "mtime_ns": st.st_mtime_ns}:
+            return blob
+        self.evict(digest)
+        say(f"the cached copy of {name or digest} ({blob}) changed on disk since it was verified (size or "
+            "modification time): evicted it from the cache; downloading it again")
+        return None
 
     def evict(self, digest: str) -> None:
         for path in self._paths(digest):
@@ -285,7 +295,7 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
         _safe_names(manifest, staging.resolve())
         todo: list[tuple[str, str]] = []
         for name, digest in sorted(manifest.items()):
-            blob = cache.get(digest) if cache else None
+            blob = cache.get(digest, name) if cache else None
             if blob is None:
                 todo.append((name, digest))
             else:
@@ -293,8 +303,6 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
                 stats["cached_bytes"] += blob.stat().st_size
                 _place(blob, staging / name, digest, cache)
         from tqdm.auto import tqdm
-
-        from draftline.console import bar_kwargs
 
         with ThreadPoolExecutor(4, thread_name_prefix="draftline-pull") as pool, \
                 tqdm(desc="pull (sha256 while downloading)", unit="B", unit_scale=True, **bar_kwargs(progress and bool(todo)),

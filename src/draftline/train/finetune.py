@@ -17,26 +17,33 @@ from draftline.console import say
 from draftline.drafter import handoff
 from draftline.drafter.model import LAYER_FILE, PAIRING
 from draftline.drafter.shape import key_remap, layer_config
-from draftline.errors import CheckpointError, DataError
+from draftline.errors import CheckpointError, ConfigError, DataError
 from draftline.registry import lineage
 from draftline.serving import hf_model
 from draftline.train import precision, preflight
 from draftline.train.spec import WorkerSpec
 
 
-def ds_config(cfg: FinetuneConfig) -> dict:
+def ds_config_path(cfg: FinetuneConfig) -> Path:
+    """The DeepSpeed config file a finetune starts from: ``--ds-config``, or the shipped one for its stage."""
     from draftline.config import shipped
 
-    path = Path(cfg.ds_config) if cfg.ds_config else shipped("configs", f"zero{max(cfg.zero_stage, 1)}.json")
+    return Path(cfg.ds_config) if cfg.ds_config else shipped("configs", f"zero{max(cfg.zero_stage, 1)}.json")
+
+
+def ds_config(cfg: FinetuneConfig) -> dict:
+    """The DeepSpeed config the ranks run: the file with finetune's settings filled in (checked as a whole by
+    DeepSpeed's own config class in ``preflight.check_ds_config``)."""
+    path = ds_config_path(cfg)
     try:
         conf = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"DeepSpeed config {path} is unreadable ({e}); pass ds_config=<a JSON file>") from None
+        raise ConfigError(f"DeepSpeed config {path} is unreadable ({e}); pass ds_config=<a JSON file>") from None
     bad = next((k for k in ("zero_optimization", "optimizer") if not isinstance(conf.get(k, {}), dict)), None) \
         if isinstance(conf, dict) else "the file"
     if bad or not isinstance((conf.get("optimizer") or {}).get("params", {}), dict):
-        raise DataError(f"DeepSpeed config {path}: {bad or 'optimizer.params'} must be a JSON object (see "
-                        "configs/zero2.json); pass ds_config=<a DeepSpeed JSON config>")
+        raise ConfigError(f"DeepSpeed config {path}: {bad or 'optimizer.params'} must be a JSON object (see "
+                          "configs/zero2.json); pass ds_config=<a DeepSpeed JSON config>")
     conf = {k: v for k, v in conf.items() if not k.startswith("_")}
     conf["zero_optimization"] = {**conf.get("zero_optimization", {}), "stage": cfg.zero_stage}
     conf["bf16"] = {"enabled": cfg.precision == "bf16"}
@@ -218,7 +225,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     from draftline.data.shards import open_prepared
     from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
     from draftline.drafter.parents import resolve_init
-    from draftline.train.launcher import launch, resolve_ranks
+    from draftline.train.launcher import hostfile_shape, launch, resolve_ranks
     from draftline.util import files_digest
 
     tracking.setup()
@@ -258,6 +265,8 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     measured = cfg.precision == "auto"
     cfg = cfg.model_copy(update={"precision": chosen.precision})
     conf = ds_config(cfg)
+    gpus, nodes = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, 1)
+    preflight.check_ds_config(conf, ds_config_path(cfg), world_size=gpus * nodes)  # DeepSpeed's own rules, before the run
 
     with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune from {parent.name}",
                                                run_id=resume_run, system_metrics=True) as active:

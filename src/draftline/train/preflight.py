@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from draftline.errors import CheckpointError, DataError
+from draftline.errors import CheckpointError, ConfigError, DataError
 from draftline.serving import hf_model
 
 
@@ -127,12 +127,57 @@ def check_inputs(cfg, data) -> None:
     if cfg.hostfile and not Path(cfg.hostfile).is_file():
         raise DataError(f"hostfile {cfg.hostfile} does not exist: pass --hostfile <a DeepSpeed hostfile>")
     if cfg.ds_config and not Path(cfg.ds_config).is_file():
-        raise DataError(f"DeepSpeed config {cfg.ds_config} does not exist: pass --ds-config <a JSON file>")
+        raise ConfigError(f"DeepSpeed config {cfg.ds_config} does not exist: pass --ds-config <a JSON file>")
     shortest = min(data.sample_lengths(), default=0)
     if cfg.tokens_per_batch < shortest:
         raise DataError(f"--tokens-per-batch {cfg.tokens_per_batch} is below the shortest sample of {cfg.data} "
                         f"({shortest} tokens): every batch would hold one sample over budget; pass "
                         f"--tokens-per-batch {shortest} or more")
+
+
+def check_ds_config(conf: dict, path, world_size: int = 1) -> None:
+    """The resolved DeepSpeed config through DeepSpeed's own ``DeepSpeedConfig``, built as ``deepspeed.initialize``
+    builds it in every rank: a missing batch size, a value of the wrong type, an unknown ZeRO key, fp16 with
+    bf16 are found here in seconds, before the run exists, instead of in every rank after start-up. Its rules
+    are DeepSpeed's; only its message is made one line.
+
+    Outside a process group (none is created here) DeepSpeed takes the world to be one process. The one setting
+    it checks against the world size, ``train_batch_size``, is therefore left to the ranks in a run of more than
+    one, when ``train_micro_batch_size_per_gpu`` is given (DeepSpeed then derives it)."""
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    checked = dict(conf)
+    if world_size > 1 and "train_micro_batch_size_per_gpu" in checked:
+        checked.pop("train_batch_size", None)
+    try:
+        DeepSpeedConfig(checked, mpu=None)
+    except (AssertionError, ValueError, TypeError, KeyError, DeepSpeedConfigError) as e:
+        raise ConfigError(f"DeepSpeed config {path}: {_deepspeed_says(e, conf)}; fix it (configs/zero2.json is a "
+                          "config DeepSpeed accepts), or leave out --ds-config") from None
+
+
+def _deepspeed_says(e: Exception, conf: dict) -> str:
+    """DeepSpeed's refusal on one line: a pydantic error as ``section.key: message, got value`` (the section is
+    the config's own key holding it), anything else as DeepSpeed words it, with the DeepSpeed function that
+    raised it where the message does not name a setting (a ``TypeError`` from comparing a string)."""
+    import traceback
+
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        said = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            holders = [k for k, v in conf.items() if isinstance(v, dict) and err["loc"] and err["loc"][0] in v]
+            where = f"{holders[0] if len(holders) == 1 else e.title}.{loc}"
+            said.append(f"{where}: {err['msg']}" + ("" if err["type"] == "extra_forbidden" else
+                                                    f", got {err.get('input')!r}"))
+        return "; ".join(said)
+    text = " ".join(str(e).split()) or type(e).__name__
+    if not isinstance(e, TypeError | KeyError):  # DeepSpeed's own assertions and errors say what is wrong
+        return text
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "deepspeed" in f.filename]
+    return f"{text} ({type(e).__name__} in DeepSpeed's {frames[-1].name})" if frames else f"{type(e).__name__}: {text}"
 
 
 def check_parent_files(name: str, files, header: dict, manifest: dict) -> None:

@@ -20,9 +20,7 @@ import threading
 from pathlib import Path
 
 from draftline.console import say
-from draftline.errors import Interrupted
-
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from draftline.util import SIGNALS, interrupt_on_signals
 
 
 def resume_hint(run_id: str | None) -> str:
@@ -33,23 +31,10 @@ def resume_hint(run_id: str | None) -> str:
     return "draftline " + shlex.join(args) if args else f"draftline finetune ... --resume {run_id}"
 
 
-@contextlib.contextmanager
 def stop_on_signals(what: str = "finetune"):
     """Turn SIGTERM/SIGINT into :class:`Interrupted` while ``what`` runs outside the ranks (resolving data,
     hashing, logging), so the MLflow run ends KILLED instead of the process vanishing with it RUNNING."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_interrupted(signum, _frame):
-        raise Interrupted(f"{what} stopped by {signal.Signals(signum).name} before training started", signum)
-
-    previous = {s: signal.signal(s, raise_interrupted) for s in SIGNALS}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+    return interrupt_on_signals(lambda name: f"{what} stopped by {name} before training started")
 
 
 class Stopper:
