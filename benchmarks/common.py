@@ -10,6 +10,10 @@ SHAPES = {
     # the tiny one the tests use: hidden, intermediate, heads, kv heads, head_dim, target and draft vocab
     "tiny": {**KIMI_K2, **dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=32, vocab_size=1024, draft_vocab_size=256)},
+    # the SmolLM2-135M-Instruct drafter the real tier trains (its verifier's own Llama layer)
+    "smollm2": {**KIMI_K2, **dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                                  num_key_value_heads=3, head_dim=64, vocab_size=49152, draft_vocab_size=8192,
+                                  rope_theta=100000.0)},
     # AQ-MedAI/Kimi-K2-Instruct-eagle3's config.json: head_dim 128 (not hidden / heads = 112)
     "real": KIMI_K2,
 }

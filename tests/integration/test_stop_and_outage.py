@@ -92,6 +92,46 @@ def test_a_signal_saves_a_checkpoint_ends_the_run_killed_and_says_how_to_resume(
         assert steps == set(range(1, 41))
 
 
+def test_prepare_stopped_mid_capture_ends_killed_and_its_printed_command_resumes(workspace, tiny):
+    """Ctrl-C during the hidden-state capture: exit 130, one line with the command that resumes, the run KILLED,
+    the finished shards kept; that command continues the same run to the same data."""
+    from ..conftest import DEMO
+
+    cmd = _draftline("prepare", "--conversations", DEMO, "--verifier", tiny["verifier"], "--max-length", "512",
+                     "--batch-size", "2", "--shard-tokens", "256", "--output-dir", "prepared")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert _wait_for(lambda: len(list(Path("prepared").glob("shard-*.safetensors"))) >= 2, proc=proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "prepare stopped by SIGINT" in errors[0] and "Traceback" not in err, err[-3000:]
+    assert "Aborted!" not in err
+    [run] = MlflowClient().search_runs([e.experiment_id for e in MlflowClient().search_experiments()])
+    assert run.info.status == "KILLED"
+    resume = shlex.split(errors[0].split("resume with ", 1)[1])
+    done = subprocess.run(_draftline(*resume[1:]), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming the hidden-state capture" in done.stderr
+    assert json.loads(done.stdout)["run_id"] == run.info.run_id
+    assert MlflowClient().get_run(run.info.run_id).info.status == "FINISHED"
+
+
+def test_evaluate_stopped_by_sigterm_logs_nothing_and_says_how_to_rerun(workspace, prepared):
+    cmd = _draftline("evaluate", "--target", "tiny", "--data", prepared, "--backend", "transformers",
+                     "--max-new-tokens", "256")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(12)  # past start-up, inside the measurement
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "evaluate stopped by SIGTERM; nothing was logged" in errors[0], err[-3000:]
+    assert "draftline evaluate --target tiny" in errors[0]
+    runs = MlflowClient().search_runs([e.experiment_id for e in MlflowClient().search_experiments()])
+    assert all(r.info.status == "KILLED" for r in runs) and not any(r.data.metrics for r in runs)
+
+
 @pytest.mark.benchmark  # three minutes: a server stopped and restarted under a finetune
 def test_a_tracking_server_outage_mid_run_loses_no_metric(workspace, prepared, tmp_path, monkeypatch):
     from draftline.testing.localserver import start_mlflow_server, stop
