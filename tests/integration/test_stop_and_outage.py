@@ -121,9 +121,14 @@ def test_evaluate_stopped_by_sigterm_logs_nothing_and_says_how_to_rerun(workspac
     cmd = _draftline("evaluate", "--target", "tiny", "--data", prepared, "--backend", "transformers",
                      "--max-new-tokens", "256")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    time.sleep(12)  # past start-up, inside the measurement
+    seen = []
+    for line in proc.stderr:  # inside the measurement
+        seen.append(line)
+        if "by speculative decoding in this process" in line:
+            break
     os.kill(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
+    err = "".join(seen) + err
     assert proc.returncode == 143, err[-3000:]
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "evaluate stopped by SIGTERM; nothing was logged" in errors[0], err[-3000:]

@@ -87,6 +87,8 @@ def _in_process(cfg: EvaluateConfig, drafter, verifier_dir: str, prompts, progre
 
     from draftline.evaluation.chain import measure_chain
 
+    say(f"measuring {len(prompts)} prompts x {cfg.max_new_tokens} tokens by speculative decoding in this process, "
+        f"k={cfg.num_speculative_tokens} ...")
     verifier = hf_model.load_causal_lm(verifier_dir, dtype=torch.float32)
     eos = GenerationConfig.from_model_config(verifier.config).eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
