@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from draftline.errors import ConfigError, UsageError
 
-
 MODEL_NAME_RULE = "letters a-z A-Z, digits 0-9, '-', '_' and '.', beginning with a letter or digit"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 

@@ -127,9 +127,13 @@ def test_shipped_configs_validate():
     from draftline.train.finetune import ds_config
 
     assert {"aq-medai", "tiny"} <= set(load_catalog())
+    from draftline.train.preflight import check_ds_config
+
     for stage in (1, 2, 3):
         conf = ds_config(FinetuneConfig(data="x", zero_stage=stage, steps=20, precision="bf16"))
         assert DeepSpeedZeroConfig(**conf["zero_optimization"]).stage == stage  # DeepSpeed's own schema
+        for world in (1, 8):
+            check_ds_config(conf, f"configs/zero{stage}.json", world_size=world)  # and its whole config class
         assert conf["gradient_clipping"] == 0.5 and conf["bf16"] == {"enabled": True}
         assert conf["optimizer"]["params"]["betas"] == [0.9, 0.95]
 
@@ -149,9 +153,64 @@ def test_shipped_policies_validate_and_a_typo_is_refused(tmp_path):
 def test_pull_needs_exactly_one_version_selector_a_usage_error(run, tmp_path):
     for selector in ([], ["--stage", "Production", "--version", "3"]):
         r = run("pull", "drafter", "--dest", str(tmp_path / "d"), *selector)
-        assert r.exit_code == 2 and "Usage: " in r.output
-        assert "Error: pass exactly one of --stage, --alias or --version" in r.output
+        assert r.exit_code == 2
+        assert r.output.strip().splitlines() == ["error: pass exactly one of --stage, --alias or --version; see "
+                                                 "`cli pull --help`"]  # `draftline pull --help` from the shell
     assert not (tmp_path / "d").exists()
+
+
+def test_clicks_own_usage_errors_are_one_line_and_help_still_works(run, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for args, said in [
+        (["pull", "drafter", "--stage", "Production", "--dest", str(afile)], "error: Invalid value for '--dest': "),
+        (["promote", "drafter", "1"], "error: Missing option '--to'."),
+        (["promote", "drafter", "1", "--to", "Prod"], "error: Invalid value for '--to': 'Prod' is not one of"),
+        (["list", "--bogus"], "error: No such option '--bogus'"),
+        (["--bogus"], "error: No such option '--bogus'"),
+        (["nosuch"], "error: No such command 'nosuch'"),
+    ]:
+        r = run(*args)
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith(said), (args, r.output)
+        assert lines[0].endswith("--help`") and "Usage:" not in r.output, (args, r.output)
+    assert afile.read_text() == "mine"
+    r = run("pull", "--help")
+    assert r.exit_code == 0 and r.output.startswith("Usage: cli pull [OPTIONS] [NAME]") and "--dest" in r.output
+    assert run().output.startswith("Usage: cli [OPTIONS] COMMAND")  # `draftline` alone: the help, as before
+
+
+RULE = "use only letters a-z A-Z, digits 0-9, '-', '_' and '.', beginning with a letter or digit"
+
+
+@pytest.mark.parametrize("name,why", [("my drafter", "it has a space"), ("team/drafter", "it has '/'"),
+                                      ("models:/d", "it has '/', ':'"), (".d", "it begins with '.'"),
+                                      ("", "it is empty")])
+def test_one_rule_for_registered_model_names_in_every_command(run, tmp_path, monkeypatch, name, why):
+    """export, main, promote, rollback, pull, list, compare and lineage refuse the same names with the same
+    line, before anything is read or written; the line says exactly what a name may hold."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DRAFTLINE_WORK", str(tmp_path / "work"))
+    commands = [["export", "--run", "0" * 32, "--registered-model", name],
+                ["main", "--conversations", "c.jsonl", "--verifier", "v", "--registered-model", name],
+                ["promote", name, "1", "--to", "Production"], ["rollback", name, "--reason", "r"],
+                ["pull", name, "--stage", "Production", "--dest", str(tmp_path / "d")], ["list", name],
+                ["compare", name, "1"], ["lineage", name, "1"]]
+    if name == "":  # an empty flag is MLproject's "unset" (the default name); an empty NAME is refused
+        commands = commands[2:]
+    for args in commands:
+        r = run(*args)
+        assert r.exit_code == 2, (args, r.output)
+        assert r.output.strip().splitlines() == [f"error: {name!r} cannot be a registered model name ({why}): {RULE}"]
+    assert list(tmp_path.iterdir()) == []  # no tracking store, no work folder, no DEST
+
+
+def test_names_the_rule_allows_pass_it_everywhere():
+    from draftline.config import ExportConfig, check_model_name
+
+    for name in ("draftline-drafter", "Kimi-K2.5_eagle3", "7b", "a.b-c_d"):
+        assert check_model_name(name) == name
+        assert ExportConfig(run="x", registered_model=name).registered_model == name
 
 
 def test_required_settings_are_marked_required_in_help(run):

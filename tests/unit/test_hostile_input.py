@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from draftline.cli import cli
 
-# 24 CLI runs, ~70 s on 2 cores: the full suite's (the quick loop keeps its 3 minutes)
+# 25 cases (24 CLI runs), ~70 s on 2 cores: the full suite's (the quick loop keeps its 3 minutes)
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,15 +115,21 @@ def test_a_valid_parquet_file_is_read(tmp_path):
     assert [s["id"] for s in load_conversations(path, prompts=True).samples] == ["1", "2"]
 
 
-def test_export_to_a_name_with_a_slash_is_refused_before_any_work(workspace):
-    r = CliRunner().invoke(cli, ["export", "--run", "0" * 32, "--registered-model", "team/drafter"])
-    _one_clean_error(r, 2, "cannot be a registered model name", workspace, lines=2)
+@pytest.mark.parametrize("name,why", [("team/drafter", "it has '/'"), ("my drafter", "it has a space")])
+def test_export_to_a_name_the_rule_refuses_is_refused_before_any_work(workspace, name, why):
+    r = CliRunner().invoke(cli, ["export", "--run", "0" * 32, "--registered-model", name])
+    _one_clean_error(r, 2, f"error: {name!r} cannot be a registered model name ({why}): use only letters a-z A-Z, "
+                           "digits 0-9, '-', '_' and '.', beginning with a letter or digit", workspace)
 
 
 def test_finetune_refuses_a_bad_ds_config_and_a_tiny_token_budget_before_its_run(workspace, prepared, tmp_path):
     bad = _write(tmp_path, "ds.json", '{"zero_optimization": 3}')
     r = CliRunner().invoke(cli, ["finetune", "--data", str(prepared), "--init", "tiny", "--ds-config", str(bad)])
-    _one_clean_error(r, 1, "zero_optimization must be a JSON object", workspace)
+    _one_clean_error(r, 2, "zero_optimization must be a JSON object", workspace)  # a bad config file: usage
+    no_batch = _write(tmp_path, "ds-no-batch.json", '{"zero_optimization": {"stage": 2}}')
+    r = CliRunner().invoke(cli, ["finetune", "--data", str(prepared), "--init", "tiny", "--ds-config", str(no_batch)])
+    _one_clean_error(r, 2, f"DeepSpeed config {no_batch}: Either train_batch_size or train_micro_batch_size_per_gpu "
+                           "needs to be provided", workspace)
     r = CliRunner().invoke(cli, ["finetune", "--data", str(prepared), "--init", "tiny", "--tokens-per-batch", "16"])
     _one_clean_error(r, 1, "is below the shortest sample", workspace)
 

@@ -99,8 +99,50 @@ def test_a_promoter_killed_between_its_writes_is_repaired_by_the_next_command(cl
         "owner": "ci@elsewhere:1", "since": (datetime.now(timezone.utc) - timedelta(minutes=5)).isoformat()})
     r = run("promote", name, "3", "--to", "Staging")
     assert r.exit_code == 0, r.output
+    assert f"[draftline] stage Production of {name} was on v1 but @production on v2: moved the stage to v2, as " \
+           f"draftline follows the alias; `draftline promote {name} 1 --to Production` if v1 was meant" \
+           in r.output.splitlines()  # the repair is said, once
     assert agree(client, name) == {"production": "2", "staging": "3"}
     assert name + LOCK_SUFFIX not in [m.name for m in client.search_registered_models()]
+
+
+def test_a_stage_moved_in_mlflows_ui_is_named_by_every_command_and_a_pull_refuses(client, tmp_path):
+    """MLflow's UI (and its client's transition_model_version_stage) moves the stage and not the alias draftline
+    reads: every command that reads the stage names both versions and the command that reconciles them, in one
+    line, and a pull of the stage refuses instead of guessing."""
+    name = f"ui-{client.tracking_uri[:4]}"
+    for acc in (1.5, 1.6):
+        _version(client, name, acc)
+    assert run("promote", name, "1", "--to", "Production").exit_code == 0
+    client.transition_model_version_stage(name, "2", "Production", archive_existing_versions=True)  # the UI's move
+    fixes = (f"`draftline promote {name} 2 --to Production` makes v2 both, `draftline promote {name} 1 --to "
+             "Production` puts the stage back on v1")
+    warning = (f"[draftline] stage Production of {name} is on v2 but @production on v1 (moved outside draftline, "
+               f"as MLflow's UI does); draftline reads v1: {fixes}")
+
+    dest = tmp_path / "pod"
+    r = run("pull", name, "--stage", "Production", "--dest", str(dest))
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines() == [
+        f"error: models:/{name}/Production is ambiguous: stage Production of {name} is on v2 but @production on v1; "
+        f"nothing was pulled: {fixes} (or pull --version)"]
+    assert not dest.exists()
+
+    for args in (["lineage", name, "Production"], ["list", name], ["list"], ["compare", name, "Production", "2"],
+                 ["promote", name, "2", "--to", "Production", "--dry-run"]):
+        r = run(*args)
+        assert r.exit_code == 0, (args, r.output)
+        said = [line for line in r.output.splitlines() if line.startswith("[draftline]")]
+        assert said == [warning], (args, r.output)  # once, whatever else the command prints
+    assert run("lineage", name, "Production").stdout.startswith(f"{name}/1 <- ")  # the alias's version
+    assert client.get_model_version(name, "2").current_stage == "Production"  # reading changed nothing
+
+    r = run("promote", name, "1", "--to", "Production")  # the reconciling command the lines name
+    assert r.exit_code == 0, r.output
+    assert f"models:/{name}/1 is now Production" in r.output and "nothing changed" not in r.output
+    assert agree(client, name) == {"production": "1"}
+    r = run("lineage", name, "Production")
+    assert r.exit_code == 0 and "[draftline]" not in r.output  # nothing left to say
 
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)

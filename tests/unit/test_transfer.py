@@ -83,6 +83,26 @@ def test_a_cached_blob_edited_in_place_with_its_size_and_mtime_kept_is_caught(st
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
 
 
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)  # the cache is local: the store does not matter
+def test_a_cached_blob_whose_mtime_changed_is_evicted_and_downloaded_again_saying_so(store, tmp_path, capsys):
+    uri = _publish(tmp_path, FILES)
+    fetch_directory(uri, tmp_path / "a", cache=BlobCache())
+    digest = sha256_manifest_of(FILES)["model.safetensors"]
+    blob = BlobCache().get(digest)
+    os.utime(blob, ns=(blob.stat().st_atime_ns, blob.stat().st_mtime_ns + 10**9))  # touched, bytes as they were
+    capsys.readouterr()
+    again = fetch_directory(uri, tmp_path / "b", cache=BlobCache())
+    said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert said == [f"[draftline] the cached copy of model.safetensors ({blob}) changed on disk since it was "
+                    "verified (size or modification time): evicted it from the cache; downloading it again"], said
+    assert again["downloaded_bytes"] == len(FILES["model.safetensors"])  # fetched again, the others from the cache
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+    assert BlobCache().get(digest) == blob  # the fresh download is the cached copy now, recorded as verified
+    capsys.readouterr()
+    assert fetch_directory(uri, tmp_path / "c", cache=BlobCache())["downloaded_bytes"] == 0
+    assert capsys.readouterr().err.strip() == ""  # said once: the next pull finds nothing to say
+
+
 def test_verify_only_rehashes_a_pulled_directory(tmp_path, store):
     from draftline.errors import VerificationError
     from draftline.registry.transfer import verify_directory

@@ -20,12 +20,20 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
+from draftline.console import say
 from draftline.errors import DraftlineError, RegistryError
 from draftline.registry.retry import retrying, unavailable
-from draftline.registry.versions import ALIASES, denied, mlflow_error, resolve_version
+from draftline.registry.versions import (
+    ALIASES,
+    LOCK_SUFFIX,
+    denied,
+    mlflow_error,
+    resolve_version,
+    stage_split,
+    stage_splits,
+)
 
 log = logging.getLogger(__name__)
-LOCK_SUFFIX = "--draftline-promotion-lock"
 STALE_LOCK_S = 30.0  # a promotion's writes take about a second: a lock this old belongs to a killed promoter
 WAIT_ENV = "DRAFTLINE_PROMOTION_WAIT_S"  # how long a promoter waits for the lock (default 120 s)
 
@@ -54,9 +62,11 @@ def holders(client, name: str) -> dict[str, str | None]:
     return {stage: (str(aliases[alias]) if alias in aliases else None) for stage, alias in ALIASES.items()}
 
 
-def sync_stages(client, name: str) -> dict[str, str | None]:
+def sync_stages(client, name: str, repaired: list[str] | None = None) -> dict[str, str | None]:
     """Make every stage hold exactly the version its alias names (and nothing when there is no alias). A
-    registry from before the aliases (a stage holder, no alias) gets the alias of its newest holder."""
+    registry from before the aliases (a stage holder, no alias) gets the alias of its newest holder. A stage
+    that named another version than its alias (moved in MLflow's UI, or a promoter killed between its two
+    writes) is said in one line, and noted in ``repaired``."""
     versions = client.search_model_versions(f"name='{name}'")
     truth = holders(client, name)
     if truth["Production"] is not None and truth["Production"] == truth["Staging"]:  # one version, one stage:
@@ -73,7 +83,13 @@ def sync_stages(client, name: str) -> dict[str, str | None]:
             truth[stage] = target
             named.add(target)
         if target is not None and [str(v.version) for v in holding] != [target]:
+            held = max((int(v.version) for v in holding), default=None)
             client.transition_model_version_stage(name, target, stage, archive_existing_versions=True)
+            split = stage_split(name, stage, target, None if held is None else str(held))
+            if split:
+                say(split.repaired())
+                if repaired is not None:
+                    repaired.append(stage)
     return truth
 
 
@@ -222,6 +238,9 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
 
     if dry_run:
         truth = holders(client, name)
+        for split in stage_splits(client, name, aliases={ALIASES[s]: v for s, v in truth.items() if v},
+                                  versions=client.search_model_versions(f"name='{name}'")):
+            say(split.warning())  # a real promotion would put the stage back on its alias first
         results = check(truth)
         message = (f"dry run: models:/{name}/{version} already holds {stage}; nothing would change"
                    if truth[stage] == version else
@@ -232,10 +251,11 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
 
     def change():
         with promotion_lock(client, name, token=token):
-            truth = sync_stages(client, name)  # also finishes what a cut-off earlier try had begun
+            repaired = list[str]()
+            truth = sync_stages(client, name, repaired)  # also finishes what a cut-off earlier try had begun
             results = check(truth)  # against the holder as it is now, with no other promotion in between
-            if truth[stage] == version:
-                return results, bool(tried)
+            if truth[stage] == version:  # held already (its stage put back on it just now, perhaps)
+                return results, bool(tried) or stage in repaired
             tried.append(True)
             key = stage.lower()
             tags = {f"promoted.{key}.by": getpass.getuser(), f"promoted.{key}.at": _now(),

@@ -11,8 +11,8 @@ link, so a destination shares no inode with the cache or with another destinatio
 and mtime kept, used to change every earlier destination and be handed on unchecked). A blob whose size or
 mtime changed is evicted and downloaded again, saying so in one line; one whose bytes changed behind an
 unchanged size and mtime is caught by the hash of the copy, removed from the cache, and the pull refused naming
-it. The destination only ever receives a
-complete, verified directory: files are assembled beside it and moved in last.
+it. The destination only ever receives a complete, verified directory: files are assembled beside it and moved
+in last.
 """
 
 from __future__ import annotations

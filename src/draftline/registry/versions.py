@@ -1,7 +1,10 @@
 """The MLflow Model Registry, through ``MlflowClient`` only: register versions, resolve URIs, promote, pull.
 
 A version is created from the drafter's LoggedModel with all its lineage tags in one call, so it exists whole
-or not at all; if waiting for it fails, it is deleted again. Where versions stand (stages and aliases) is
+or not at all; if waiting for it fails, it is deleted again. A stage is resolved here, in one place
+(:func:`resolve_stage`): through its alias, draftline's truth, and where MLflow's stage says otherwise (its UI
+and ``transition_model_version_stage`` move only the stage) every command says so in one line naming both
+versions and the command that reconciles them, and a pull refuses. Changing where versions stand is
 ``registry/promotion.py``'s; what the registry holds, listed and compared, is ``registry/views.py``'s.
 """
 
@@ -13,8 +16,10 @@ import logging
 import re
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from draftline.console import say
 from draftline.errors import RegistryError, VerificationError
 from draftline.registry.retry import retrying, unavailable
 
@@ -30,8 +35,9 @@ def denied(e: Exception) -> bool:
     return getattr(e, "error_code", "") in ("PERMISSION_DENIED", "UNAUTHENTICATED") or "403" in str(e)[:200]
 
 
-def resolve_version(client, uri: str):
-    """``models:/NAME/VERSION``, ``models:/NAME/STAGE`` or ``models:/NAME@alias`` -> ``(name, ModelVersion)``."""
+def resolve_version(client, uri: str, *, refuse_split: bool = False):
+    """``models:/NAME/VERSION``, ``models:/NAME/STAGE`` or ``models:/NAME@alias`` -> ``(name, ModelVersion)``. A
+    stage goes through :func:`resolve_stage` (``refuse_split``: refuse a stage its alias disagrees with)."""
     m = _URI.match(uri)
     if not m:
         raise RegistryError(f"{uri} is not a registry URI: use models:/NAME/VERSION, models:/NAME/STAGE or "
@@ -42,24 +48,123 @@ def resolve_version(client, uri: str):
         near = difflib.get_close_matches(stage, STAGES, n=1, cutoff=0.5)
         raise RegistryError(f"{uri} does not resolve: {ref!r} is not a version number or a stage "
                             f"({', '.join(STAGES)})" + (f"; did you mean {near[0]!r}?" if near else ""))
+    if stage is not None:
+        return name, resolve_stage(client, name, stage, refuse=refuse_split)
     try:
-        if alias:
-            return name, client.get_model_version_by_alias(name, alias)
-        if stage is None:
-            return name, client.get_model_version(name, ref)
-        latest = client.get_latest_versions(name, stages=[stage])
+        return name, (client.get_model_version_by_alias(name, alias) if alias else
+                      client.get_model_version(name, ref))
     except Exception as e:  # noqa: BLE001
         if unavailable(e):
             raise
         raise RegistryError(f"{uri} does not resolve on {registry_uri()}: {mlflow_error(e)}"
                             + unknown_model_hint(client, name)) from None
-    if not latest:
-        raise RegistryError(f"{uri} does not resolve on {registry_uri()}: no version of {name} is in stage {stage}")
-    return name, latest[0]
 
 
 STAGES = ("Staging", "Production", "Archived", "None")
 ALIASES = {"Production": "production", "Staging": "staging"}  # the alias each stage follows (registry/promotion.py)
+LOCK_SUFFIX = "--draftline-promotion-lock"  # the registered model that serialises NAME's promotions (promotion.py)
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """A stage and its alias naming different versions: the stage moved without the alias (MLflow's UI, or
+    ``MlflowClient.transition_model_version_stage``), or the alias moved and the stage did not follow."""
+
+    name: str
+    stage: str
+    alias: str  # the version @alias names: draftline's truth
+    held: str | None  # the version MLflow resolves models:/NAME/STAGE to (the newest in the stage), if any
+
+    def _state(self, tense: str = "is") -> str:
+        held = f"v{self.held}" if self.held else "no version"
+        return f"stage {self.stage} of {self.name} {tense} on {held} but @{ALIASES[self.stage]} on v{self.alias}"
+
+    def _command(self, version: str) -> str:
+        return f"`draftline promote {self.name} {version} --to {self.stage}`"
+
+    def _fixes(self) -> str:
+        back = f"{self._command(self.alias)} puts the stage back on v{self.alias}"
+        return back if self.held is None else f"{self._command(self.held)} makes v{self.held} both, {back}"
+
+    def warning(self) -> str:
+        """What a command that reads the stage says (it goes on with the alias's version)."""
+        return f"{self._state()} (moved outside draftline, as MLflow's UI does); draftline reads v{self.alias}: " \
+               f"{self._fixes()}"
+
+    def refusal(self) -> str:
+        """What a pull of the stage says instead of choosing one of the two."""
+        return f"models:/{self.name}/{self.stage} is ambiguous: {self._state()}; nothing was pulled: " \
+               f"{self._fixes()} (or pull --version)"
+
+    def repaired(self) -> str:
+        """What a promotion or rollback says after making the stage follow its alias."""
+        if_meant = f"; {self._command(self.held)} if v{self.held} was meant" if self.held else ""
+        return f"{self._state('was')}: moved the stage to v{self.alias}, as draftline follows the alias{if_meant}"
+
+
+def stage_split(name: str, stage: str, alias: str | None, held: str | None) -> StageSplit | None:
+    """The one rule: the stage and its alias disagree when the alias exists and MLflow's stage resolves to
+    another version (or none). No alias: a registry from before the aliases; the stage is all there is."""
+    if alias is None or stage not in ALIASES or (held is not None and str(held) == str(alias)):
+        return None
+    return StageSplit(name, stage, str(alias), None if held is None else str(held))
+
+
+def promotion_in_progress(client, name: str) -> bool:
+    """A draftline promotion of ``name`` holds its lock: it writes the alias, then the stage, so the two differ
+    for a moment; that is a change in flight (the alias is already the truth), not a disagreement."""
+    try:
+        client.get_registered_model(name + LOCK_SUFFIX)
+        return True
+    except Exception as e:  # noqa: BLE001
+        if unavailable(e):
+            raise
+        return False
+
+
+def resolve_stage(client, name: str, stage: str, *, refuse: bool = False):
+    """``models:/NAME/STAGE`` as draftline reads it: the version the stage's alias names (the truth). Where
+    MLflow's stage names another version, say so in one line naming both and the commands that reconcile them,
+    and go on with the alias's, or, with ``refuse`` (a pull installs what it resolves), raise instead of
+    choosing. A registry without the alias: the newest version in the stage. One request when they agree."""
+    uri = f"models:/{name}/{stage}"
+    try:
+        latest = client.get_latest_versions(name, stages=[stage])  # what MLflow resolves the stage to
+    except Exception as e:  # noqa: BLE001
+        if unavailable(e):
+            raise
+        raise RegistryError(f"{uri} does not resolve on {registry_uri()}: {mlflow_error(e)}"
+                            + unknown_model_hint(client, name)) from None
+    held = latest[0] if latest else None
+    alias = ALIASES.get(stage)
+    named = held
+    if alias is not None and (held is None or alias not in (held.aliases or [])):
+        try:
+            named = client.get_model_version_by_alias(name, alias)
+        except Exception as e:  # noqa: BLE001  (no such alias: a registry from before the aliases)
+            if unavailable(e):
+                raise
+            named = held
+        split = stage_split(name, stage, named and str(named.version), held and str(held.version))
+        if split and not promotion_in_progress(client, name):
+            if refuse:
+                raise RegistryError(split.refusal())
+            say(split.warning())
+    if named is None:
+        raise RegistryError(f"{uri} does not resolve on {registry_uri()}: no version of {name} is in stage {stage}")
+    return named
+
+
+def stage_splits(client, name: str, *, aliases: dict, versions) -> list[StageSplit]:
+    """Every stage of ``name`` whose alias names another version than MLflow's stage (``aliases``: the
+    registered model's, ``versions``: all its versions, as ``list`` reads them), a promotion in flight aside."""
+    found = []
+    for stage, alias in ALIASES.items():
+        holding = [int(v.version) for v in versions if v.current_stage == stage]
+        split = stage_split(name, stage, aliases.get(alias), str(max(holding)) if holding else None)
+        if split:
+            found.append(split)
+    return [] if not found or promotion_in_progress(client, name) else found
 
 
 def registry_uri() -> str:
@@ -153,7 +258,7 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     "command", "speculative_config", "downloaded_bytes", "cached_bytes"}``.
 
     A pull asks the tracking server for as little as it can (a fleet restarting together pays per request):
-    the version by its alias (a stage is resolved through the alias promotion keeps equal to it), the
+    the version (a stage: the newest version in it, which carries its alias when the two agree), the
     LoggedModel's artifact location, and one GET per file not in the cache. The file list and digests come
     from the version's ``export.checksums`` tag, checked against ``export.sha256``; older versions, without
     the tag, read ``checksums.json`` from the store."""
@@ -164,8 +269,9 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
         raise RegistryError("pass exactly one of --stage, --alias or --version")
     uri = f"models:/{name}/{stage.capitalize()}" if stage else f"models:/{name}@{alias}" if alias else \
         f"models:/{name}/{version}"
-    # the version is resolved once: every file below comes from that one version, whatever moves meanwhile
-    _, mv = retrying(f"resolve {uri}", lambda: _resolve_for_pull(client, name, uri, stage))
+    # the version is resolved once: every file below comes from that one version, whatever moves meanwhile; a
+    # stage its alias disagrees with is refused (nothing is downloaded), not guessed
+    _, mv = retrying(f"resolve {uri}", lambda: resolve_version(client, uri, refuse_split=True))
     want = mv.tags.get("verifier.name_or_path")
     if verifier and verifier != want:  # before anything is downloaded: DEST stays as it was
         raise VerificationError(f"models:/{name}/{mv.version} was trained for verifier {want}, not {verifier}; "
@@ -185,18 +291,6 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
 
 
 CHECKSUMS_TAG = "export.checksums"  # the export's checksums.json, as a version tag: a pull needs no listing
-
-
-def _resolve_for_pull(client, name: str, uri: str, stage: str | None):
-    """A stage through its alias (one request; promotion writes the alias first and keeps the stage equal to
-    it), falling back to the stage itself for a registry without the alias."""
-    if stage and stage.capitalize() in ALIASES:
-        try:
-            return name, client.get_model_version_by_alias(name, ALIASES[stage.capitalize()])
-        except Exception as e:  # noqa: BLE001  (no such alias, or no such model: the stage path says which)
-            if unavailable(e):
-                raise
-    return resolve_version(client, uri)
 
 
 def _files_of(client, name: str, mv) -> str:

@@ -3,10 +3,18 @@ metrics, parents) and ``draftline compare`` (versions side by side, their parent
 
 from __future__ import annotations
 
+from draftline.console import say
 from draftline.errors import RegistryError
 from draftline.registry.lineage import HEADLINE_METRICS, VERSION_TAG_PARAMS
-from draftline.registry.promotion import LOCK_SUFFIX
-from draftline.registry.versions import mlflow_error, model_id_of, registry_uri, resolve_version, unknown_model_hint
+from draftline.registry.versions import (
+    LOCK_SUFFIX,
+    mlflow_error,
+    model_id_of,
+    registry_uri,
+    resolve_version,
+    stage_splits,
+    unknown_model_hint,
+)
 
 HEADLINE = HEADLINE_METRICS[0]  # val/acceptance_length
 
@@ -24,6 +32,8 @@ def list_models(client) -> list[dict]:
         if m.name.endswith(LOCK_SUFFIX):
             continue
         versions = client.search_model_versions(f"name='{m.name}'")
+        for split in stage_splits(client, m.name, aliases=m.aliases or {}, versions=versions):
+            say(split.warning())
         rows.append({"name": m.name, "versions": len(versions),
                      "latest": max((int(v.version) for v in versions), default=None),
                      "aliases": {a: str(v) for a, v in (m.aliases or {}).items()}})
@@ -58,8 +68,11 @@ def list_versions(client, name: str) -> list[dict]:
         raise RegistryError(f"registered model {name} does not exist on {registry_uri()}: {mlflow_error(e)}"
                             + hint) from None
     aliases = _aliases_of(model)
+    versions = client.search_model_versions(f"name='{name}'")
+    for split in stage_splits(client, name, aliases=model.aliases or {}, versions=versions):
+        say(split.warning())
     rows = []
-    for v in sorted(client.search_model_versions(f"name='{name}'"), key=lambda v: int(v.version)):
+    for v in sorted(versions, key=lambda v: int(v.version)):
         tags = v.tags
         rows.append({"version": str(v.version), "stage": v.current_stage, "aliases": aliases.get(str(v.version), []),
                      "metrics": {k: float(tags[f"metric.{k}"]) for k in HEADLINE_METRICS if f"metric.{k}" in tags},

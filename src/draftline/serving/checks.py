@@ -29,13 +29,17 @@ def check_serves(drafter_dir: Path | str, verifier_dir: Path | str, *, k: int = 
     except EngineError:
         blame_verifier(verifier_dir, python)
         raise
-    with server:
+    try:  # started above, so not `with server:` (its __enter__ starts a server)
         before = read_counters(server.endpoint, server.model, {})
         with httpx.Client() as client:
             generated = sum(len(complete(client, server.endpoint, server.model, p, max_tokens=max_new_tokens,
                                          headers={}, extra={"ignore_eos": True})) for p in PROBE_PROMPTS)
         after = settled_counters(server.endpoint, server.model, {})
         server.check_alive()
+    except BaseException:
+        server.stop(keep_log=True)  # its log names vLLM's own error
+        raise
+    server.stop()
     drafts = after["num_drafts"] - before["num_drafts"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     if drafts <= 0:

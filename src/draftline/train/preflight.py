@@ -8,6 +8,7 @@ with them. Each problem raises one :class:`DraftlineError` naming the thing, the
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -146,7 +147,7 @@ def check_ds_config(conf: dict, path, world_size: int = 1) -> None:
     one, when ``train_micro_batch_size_per_gpu`` is given (DeepSpeed then derives it)."""
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
-    checked = dict(conf)
+    checked = copy.deepcopy(conf)  # DeepSpeed's parsing may change it; the ranks get ``conf`` as it is
     if world_size > 1 and "train_micro_batch_size_per_gpu" in checked:
         checked.pop("train_batch_size", None)
     try:
