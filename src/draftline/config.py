@@ -232,6 +232,7 @@ def parse_categories(spec: str | None) -> tuple[set[str], set[str]]:
     return keep, drop
 
 
+VLLM_ARGS_ENV = "DRAFTLINE_VLLM_ARGS"  # flags for every vLLM draftline starts (draftline.serving.engine)
 SHIPPED = Path(__file__).parent / "shipped"  # configs/ and registry_policies/: links in a checkout, copies in a wheel
 
 

@@ -194,7 +194,7 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
         _say_lossless(chain, n_prompts)
 
     dataset = lineage.data_set(manifest, data_name)
-    tags = {"draftline.evaluate.target": cfg.target, "draftline.evaluate.kind": target.kind,
+    tags = {**lineage.vllm_tags(), "draftline.evaluate.target": cfg.target, "draftline.evaluate.kind": target.kind,
             "draftline.evaluate.data": f"{data_name} {manifest['digest'][:12]}"}
     if target.run_id:
         tags.update({TARGET_RUN_TAG: target.run_id, TARGET_STEP_TAG: str(target.step)})

@@ -47,7 +47,7 @@ def run(cfg: ExportConfig) -> dict[str, str]:
     metrics = {k: v for k, v in ft.data.metrics.items() if k in lin.HEADLINE_METRICS}
 
     with tracking.stage_run("export", run_name="export",
-                            tags={"draftline.finetune.run_id": ft_id}) as active, \
+                            tags={"draftline.finetune.run_id": ft_id, **lin.vllm_tags()}) as active, \
             tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp:
         tmp = Path(tmp)
         from draftline.drafter.handoff import fetch_weights

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
+
+from draftline.config import VLLM_ARGS_ENV
 
 LINEAGE_FILE = "lineage.json"
 METADATA_FILE = "training_metadata.json"
@@ -84,8 +87,15 @@ def _built_revision(path: str) -> str | None:
         return None
 
 
+def vllm_tags() -> dict[str, str]:
+    """The flags ``$DRAFTLINE_VLLM_ARGS`` gave every vLLM this run started, where it was set."""
+    args = os.environ.get(VLLM_ARGS_ENV, "").strip()
+    return {"draftline.vllm.args": args} if args else {}
+
+
 def environment_tags() -> dict[str, str]:
     tags = {f"draftline.version.{k}": v for k, v in versions().items()}
+    tags.update(vllm_tags())
     tags["draftline.git_commit"] = git_commit()
     if tags["draftline.git_commit"] != "unknown":  # MLflow's own tag: the UI shows and links it
         tags["mlflow.source.git.commit"] = tags["draftline.git_commit"].removesuffix("-dirty")

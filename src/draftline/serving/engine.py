@@ -27,11 +27,12 @@ from pathlib import Path
 import httpx
 import torch
 
+from draftline.config import VLLM_ARGS_ENV
 from draftline.errors import ConfigError, DraftlineError
 from draftline.serving import hf_model
 
 PYTHON_ENV = "DRAFTLINE_VLLM_PYTHON"
-ARGS_ENV = "DRAFTLINE_VLLM_ARGS"
+ARGS_ENV = VLLM_ARGS_ENV
 # the hidden-state connector vLLM loads by module path (vLLM's own, made CPU-safe): this folder goes on the
 # server's PYTHONPATH when it extracts hidden states
 PLUGINS = Path(__file__).parent / "vllm_plugins"

@@ -1,0 +1,74 @@
+"""What every vLLM draftline starts is told: the verifier's dtype, --trust-remote-code only when trusted, the
+flags of DRAFTLINE_VLLM_ARGS, and for capture the extraction with draftline's connector; and what a directory
+that ships custom code gets without the flag."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from draftline.errors import ConfigError, UsageError
+from draftline.registry.lineage import environment_tags
+from draftline.serving import hf_model
+from draftline.serving.engine import PLUGINS, ServeSpec
+
+MLA = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512,
+       "qk_rope_head_dim": 64, "hidden_size": 256}
+
+
+def verifier(tmp_path: Path, config: dict, tokenizer: dict | None = None) -> Path:
+    d = tmp_path / "v"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    if tokenizer is not None:
+        (d / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    return d
+
+
+def test_an_mla_verifier_is_served_in_bf16_and_a_llama_in_float32(tmp_path):
+    assert ServeSpec(model=str(verifier(tmp_path, MLA))).dtype == "bfloat16"
+    k25 = {"model_type": "kimi_k25", "text_config": MLA}
+    assert ServeSpec(model=str(verifier(tmp_path, k25))).dtype == "bfloat16"
+    assert ServeSpec(model=str(verifier(tmp_path, {"model_type": "llama"}))).dtype == "float32"
+
+
+def test_custom_code_is_refused_in_one_line_naming_the_flag_until_trusted(tmp_path, monkeypatch):
+    d = verifier(tmp_path, {**MLA, "model_type": "kimi_k2", "auto_map": {"AutoConfig": "configuration_kimi.C"}},
+                 {"tokenizer_class": "TikTokenTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_kimi.T", None]}})
+    needs = hf_model.custom_code(d)
+    assert any("configuration_kimi.py" in n for n in needs) and any("tokenization_kimi.py" in n for n in needs)
+    with pytest.raises(UsageError, match="ships its model or tokenizer as custom code .* pass --trust-remote-code"):
+        hf_model.check_custom_code(d)
+    assert "--trust-remote-code" not in ServeSpec(model=str(d)).argv(Path("python"), 1)
+    monkeypatch.delenv(hf_model.TRUST_ENV, raising=False)
+    hf_model.trust_as_recorded(d, "True")  # as a later stage reads it back from MLflow
+    hf_model.check_custom_code(d)
+    assert "--trust-remote-code" in ServeSpec(model=str(d)).argv(Path("python"), 1)
+
+
+def test_a_natively_read_directory_needs_no_flag(tmp_path):
+    d = verifier(tmp_path, {"model_type": "kimi_k25", "auto_map": {"AutoConfig": "configuration_kimi_k25.C"}},
+                 {"tokenizer_class": "PreTrainedTokenizerFast"})
+    assert hf_model.custom_code(d) == []
+
+
+def test_vllm_args_reach_every_server_and_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTLINE_VLLM_ARGS", "--tensor-parallel-size 8 --gpu-memory-utilization 0.92")
+    argv = ServeSpec(model=str(verifier(tmp_path, {"model_type": "llama"}))).argv(Path("python"), 1)
+    assert argv[-4:] == ["--tensor-parallel-size", "8", "--gpu-memory-utilization", "0.92"]
+    assert environment_tags()["draftline.vllm.args"] == "--tensor-parallel-size 8 --gpu-memory-utilization 0.92"
+    monkeypatch.setenv("DRAFTLINE_VLLM_ARGS", "--bad 'quote")
+    with pytest.raises(ConfigError, match="DRAFTLINE_VLLM_ARGS is not a valid shell-quoted list"):
+        ServeSpec(model=str(verifier(tmp_path, {"model_type": "llama"})))
+
+
+def test_capture_extracts_the_aux_layers_and_the_last_with_draftlines_connector(tmp_path):
+    spec = ServeSpec(model=str(verifier(tmp_path, MLA)), extract_layers=[2, 4, 5, 8], hidden_states_dir="/hs")
+    argv = spec.argv(Path("python"), 1)
+    speculative = json.loads(argv[argv.index("--speculative-config") + 1])
+    transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert speculative["method"] == "extract_hidden_states"
+    assert speculative["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5, 8]
+    assert transfer["kv_connector_module_path"] == "draftline_hs_connector"
+    assert (PLUGINS / f"{transfer['kv_connector_module_path']}.py").is_file()
+    assert transfer["kv_connector_extra_config"]["shared_storage_path"] == "/hs"
