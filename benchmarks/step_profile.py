@@ -74,7 +74,8 @@ def _step(model, batches, ttt: int):
 def profile(shape: str, tokens: int, micro: int, dtype: torch.dtype, iters: int, ttt: int = 3) -> dict:
     model = bench_model(shape, "cpu", dtype=dtype)
     per = tokens // micro
-    batches = [fake_batch(model, per, "cpu", seed=i) for i in range(micro)]
+    batches = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in fake_batch(model, per, "cpu", seed=i).items()}
+               for i in range(micro)]
     step = _step(model, batches, ttt)
     step()  # warm-up
     times = []
@@ -115,5 +116,5 @@ def run(shape: str = "smollm2", tokens: int = 4096, iters: int = 3, micro: tuple
                **{f"{k} tokens/s": f"{v['tokens_per_s']} (x{v['speedup']}; top: "
                   f"{', '.join(f'{n} {s:.0%}' for n, s in list(v['share'].items())[:3])})"
                   for k, v in variants.items()}}
-    return {"shape": shape, "threads": torch.get_num_threads(), "matmul_peak_tflops": peak, "variants": variants,
+    return {"shape": shape, "threads": torch.get_num_threads(), "matmul_peak_tflops": peak, "by_micro_batches": variants,
             "summary": summary}
