@@ -18,7 +18,7 @@ said() {  # evaluate's JSON as one line
 t0=$SECONDS; lap() { echo "== $1 took $((SECONDS - t0)) s" >&2; t0=$SECONDS; }
 
 verifier=work/tiny-kimi/verifier
-[ -f work/tiny-kimi/parent/model.safetensors ] || draftline make-tiny work/tiny-kimi --family kimi >/dev/null
+[ -f work/tiny-kimi/parent/model.safetensors ] || draftline make-tiny work/tiny-kimi --family kimi --parent-steps 60 >/dev/null
 lap "make-tiny --family kimi"
 
 # the team's serving vLLM, here on loopback: bf16 (vLLM's CPU MLA backend serves no other), the custom code trusted
