@@ -8,10 +8,17 @@ lineage, i.e. what ``export`` uploads. Sides alternate in one run:
 - ``register``: draftline's upload (sha256 of every file computed while MLflow uploads, then ``checksums.json``)
   and the creation of the model version, waiting until it is READY;
 - ``mlflow_download``: ``mlflow.artifacts.download_artifacts`` of the uploaded directory;
-- ``pull_cold``: ``draftline pull`` with an empty cache (hashing while the bytes arrive, verification included);
+- ``pull_cold``: ``draftline pull`` with an empty cache (hashing while the bytes arrive, verification included;
+  the download is DEST's file, written once, and the cache's copy is made from it afterwards);
+- ``pull_cold_nocache``: the same pull with ``--no-cache`` (the download is the only write: what the cache's copy
+  costs a cold pull is the difference);
 - ``pull_warm``: the same pull again into another directory (a restarted pod): files come from the
   content-addressed cache;
 - ``cp``: a local ``cp -r`` of the directory, for scale.
+
+The three download sides (``mlflow_download``, ``pull_cold``, ``pull_cold_nocache``) run in a rotating order in
+every repetition, and the summary gives each ratio as the median of the per-repetition ratios with their range
+(side by side in one repetition, so a machine that slows down between repetitions moves both sides).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ def _export_dir(root: Path, shape: str) -> Path:
     return d
 
 
-def run(shape: str = "real", reps: int = 2) -> dict:
+def run(shape: str = "real", reps: int = 3) -> dict:
     import os
 
     import mlflow
@@ -55,7 +62,8 @@ def run(shape: str = "real", reps: int = 2) -> dict:
     from draftline.testing.localserver import start_mlflow_server, stop
 
     times: dict[str, list[float]] = {k: [] for k in
-                                     ("mlflow_upload", "register", "mlflow_download", "pull_cold", "pull_warm", "cp")}
+                                     ("mlflow_upload", "register", "mlflow_download", "pull_cold",
+                                      "pull_cold_nocache", "pull_warm", "cp")}
     with tempfile.TemporaryDirectory(prefix="draftline-bench-registry-", dir=os.environ.get("BENCH_TMP")) as tmp:
         tmp = Path(tmp)
         src = _export_dir(tmp, shape)
@@ -103,18 +111,29 @@ def run(shape: str = "real", reps: int = 2) -> dict:
                     versions.pull(client, "bench-drafter", stage=None, alias=None, version=str(version),
                                   dest=tmp / "dl-cold")
 
-                second = [("mlflow_download", mlflow_download), ("pull_cold", pull_cold)]
-                for name, fn in (second if rep % 2 == 0 else second[::-1]):
+                def pull_cold_nocache():
+                    versions.pull(client, "bench-drafter", stage=None, alias=None, version=str(version),
+                                  dest=tmp / "dl-nocache", use_cache=False)
+
+                second = [("mlflow_download", mlflow_download), ("pull_cold", pull_cold),
+                          ("pull_cold_nocache", pull_cold_nocache)]
+                for name, fn in second[rep % 3:] + second[:rep % 3]:
                     times[name].append(_timed(fn))
                 times["pull_warm"].append(_timed(lambda: versions.pull(
                     client, "bench-drafter", stage=None, alias=None, version=str(version), dest=tmp / "dl-warm")))
                 times["cp"].append(_timed(lambda: subprocess.run(["cp", "-r", str(src), str(tmp / "dl-cp")],
                                                                  check=True)))
-                for d in ("dl-mlflow", "dl-cold", "dl-warm", "dl-cp"):
+                for d in ("dl-mlflow", "dl-cold", "dl-nocache", "dl-warm", "dl-cp"):
                     shutil.rmtree(tmp / d, ignore_errors=True)
         finally:
             stop(proc)
     med = {k: statistics.median(v) for k, v in times.items()}
+
+    def ratio(a: str, b: str, digits: int = 3) -> dict:
+        per_rep = [x / y for x, y in zip(times[a], times[b], strict=True)]
+        return {"median": round(statistics.median(per_rep), digits),
+                "range": [round(min(per_rep), digits), round(max(per_rep), digits)]}
+
     return {
         "shape": shape,
         "bytes": size,
@@ -122,8 +141,10 @@ def run(shape: str = "real", reps: int = 2) -> dict:
         "seconds": {k: [round(x, 3) for x in v] for k, v in times.items()},
         "summary": {
             "register / mlflow_upload": round(med["register"] / med["mlflow_upload"], 3),
-            "pull_cold / mlflow_download": round(med["pull_cold"] / med["mlflow_download"], 3),
-            "pull_warm / pull_cold": round(med["pull_warm"] / med["pull_cold"], 4),
+            "pull_cold / mlflow_download": ratio("pull_cold", "mlflow_download"),
+            "pull_cold_nocache / mlflow_download": ratio("pull_cold_nocache", "mlflow_download"),
+            "pull_warm / pull_cold": ratio("pull_warm", "pull_cold"),
+            "pull_warm / cp": ratio("pull_warm", "cp"),
             "mlflow_download / cp": round(med["mlflow_download"] / med["cp"], 2),
             "mlflow_upload_MBps": round(size / med["mlflow_upload"] / 1e6, 1),
             "mlflow_download_MBps": round(size / med["mlflow_download"] / 1e6, 1),

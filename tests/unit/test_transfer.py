@@ -230,3 +230,35 @@ def test_a_pull_by_stage_asks_the_server_for_little_and_an_older_version_still_p
         assert len(sent) - len(downloads) <= 2, sent  # the alias and MLflow's server-info, nothing else
     else:
         assert sorted(p.rsplit("/", 1)[1] for p in downloads) == sorted([*files, CHECKSUMS]), sent
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)  # the cache is local: the store does not matter
+def test_a_large_cached_blob_is_copied_by_the_kernel_and_what_landed_is_hashed(store, tmp_path, monkeypatch):
+    """Files of PARALLEL_HASH_MIN and more are copied by the kernel while a thread hashes the destination's file:
+    a warm pull gets the right bytes, and a blob edited in place (size and mtime kept) is still refused and
+    evicted. A cold pull writes the destination from the download and the cache from that verified file."""
+    from draftline.registry import transfer
+
+    monkeypatch.setattr(transfer, "PARALLEL_HASH_MIN", 0)
+    uri = _publish(tmp_path, FILES)
+    cold = fetch_directory(uri, tmp_path / "a", cache=BlobCache())
+    assert cold["downloaded_bytes"] == sum(map(len, FILES.values()))
+    digest = sha256_manifest_of(FILES)["model.safetensors"]
+    blob = BlobCache().get(digest)
+    assert blob.read_bytes() == FILES["model.safetensors"]
+    assert blob.stat().st_ino != (tmp_path / "a" / "model.safetensors").stat().st_ino
+    warm = fetch_directory(uri, tmp_path / "b", cache=BlobCache())
+    assert warm["downloaded_bytes"] == 0
+    assert {n: (tmp_path / "b" / n).read_bytes() for n in FILES} == FILES
+
+    st = blob.stat()
+    blob.chmod(0o644)
+    with open(blob, "r+b") as f:
+        f.seek(len(FILES["model.safetensors"]) - 8)
+        f.write(b"\xff" * 8)
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(VerificationError, match=r"cached copy of model\.safetensors .* was changed on disk"):
+        fetch_directory(uri, tmp_path / "c", cache=BlobCache())
+    assert not (tmp_path / "c").exists() and BlobCache().get(digest) is None
+    assert fetch_directory(uri, tmp_path / "c", cache=BlobCache())["downloaded_bytes"] == len(FILES["model.safetensors"])
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() == FILES["model.safetensors"]

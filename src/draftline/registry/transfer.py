@@ -4,9 +4,12 @@ Every file of an export is named with its sha256 in ``checksums.json`` (and in t
 ``export.checksums`` tag). A pull takes that list from the tag, or downloads ``checksums.json`` for a version
 exported before the tag, then downloads each file it names, one GET each, through MLflow's own artifact
 repository (so any store MLflow supports works), hashing the bytes *while* they arrive on a second thread instead of re-reading the file afterwards.
-A file whose digest is already in the cache is not downloaded at all: the cache keeps one read-only copy per
-digest (``$DRAFTLINE_CACHE_DIR/blobs/sha256/<digest>``, default ``~/.cache/draftline``) and a pull copies it
-into place, hashing the bytes as it writes them: "verified" always means hashed in this pull. Never a hard
+Each download is written once, into the destination's staging folder (a cold pull writes every byte once on the
+network path); with a cache, the cache's copy is made afterwards by the kernel from that verified file, only if
+the cache does not hold the digest yet. A file whose digest is already in the cache is not downloaded at all:
+the cache keeps one read-only copy per digest (``$DRAFTLINE_CACHE_DIR/blobs/sha256/<digest>``, default
+``~/.cache/draftline``) and a pull copies it into place (the kernel copies while a thread hashes what landed in
+the destination): "verified" always means hashed in this pull. Never a hard
 link, so a destination shares no inode with the cache or with another destination (a blob edited in place, size
 and mtime kept, used to change every earlier destination and be handed on unchecked). A blob whose size or
 mtime changed is evicted and downloaded again, saying so in one line; one whose bytes changed behind an
@@ -43,24 +46,22 @@ _POLL_S = 0.02
 
 
 class _GrowingFileHasher(threading.Thread):
-    """sha256 of a file that another thread is still writing, read as it grows (from the page cache), and, with
-    ``tee``, the same bytes written to a second file as they are hashed: a pull that keeps a copy for the cache
-    makes it while the download runs, not after. It waits ``_POLL_S`` between reads that find nothing new: a
-    shorter wait costs a fleet of pullers sharing a few cores more in system calls than the hashing itself."""
+    """sha256 of a file that another thread is still writing, read as it grows (from the page cache): the bytes
+    hashed are the bytes on disk, and the file is written once. It waits ``_POLL_S`` between reads that find
+    nothing new: a shorter wait costs a fleet of pullers sharing a few cores more in system calls than the
+    hashing itself."""
 
-    def __init__(self, path: Path, on_bytes=None, tee: Path | None = None):
+    def __init__(self, path: Path, on_bytes=None):
         super().__init__(daemon=True)
         self.path, self.done, self.size = path, threading.Event(), 0
         self.digest: str | None = None
         self.on_bytes = on_bytes or (lambda n: None)
-        self.tee = tee
 
     def run(self) -> None:
         h = hashlib.sha256()
         while not self.path.exists() and not self.done.is_set():
             time.sleep(_POLL_S)
-        with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as f, \
-                open(self.tee, "wb") if self.tee else contextlib.nullcontext() as copy:
+        with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as f:
             while True:
                 block = f.read(_CHUNK)
                 if not block and self.done.is_set():
@@ -71,37 +72,36 @@ class _GrowingFileHasher(threading.Thread):
                     time.sleep(_POLL_S)
                     continue
                 h.update(block)
-                if copy is not None:
-                    copy.write(block)
                 self.size += len(block)
                 self.on_bytes(len(block))
         self.digest = h.hexdigest()
 
+    def result(self, path: Path) -> str:
+        """The digest of ``path`` once its writer is done: the one computed while it grew, or, if the writer did
+        not write it front to back (a store that renames at the end), a second read of the file."""
+        self.done.set()
+        self.join()
+        with contextlib.suppress(FileNotFoundError):
+            if self.digest is not None and self.size == path.stat().st_size:
+                return self.digest
+            return file_sha256(path)
+        return "nothing"
 
-def download_verified(repo, name: str, digest: str, into: Path, on_bytes=None, tee: Path | None = None) -> Path:
+
+def download_verified(repo, name: str, digest: str, into: Path, on_bytes=None) -> Path:
     """Download the file ``name`` of the artifact repository ``repo`` into ``into/<basename>`` and require its
     sha256 to be ``digest``. One GET: the repository's own single-file download (what its
     ``download_artifacts`` calls after listing the path to learn it is a file, a request a pull that knows its
-    files does not need). With ``tee``, a copy of the hashed bytes lands there too (made afresh from the
-    downloaded file if the store wrote it other than front to back)."""
+    files does not need). The bytes are written once, by the download, and hashed as the file grows."""
     target = into / PurePosixPath(name).name
-    hasher = _GrowingFileHasher(target, on_bytes, tee)
+    hasher = _GrowingFileHasher(target, on_bytes)
     hasher.start()
     try:
         repo._download_file(remote_file_path=name, local_path=str(target))  # noqa: SLF001  (every store implements it)
     finally:
-        hasher.done.set()
-        hasher.join()
-    got = hasher.digest if hasher.size == target.stat().st_size else None
-    if got != digest:  # a store that writes out of order or renames at the end: hash the file once more
-        got = file_sha256(target)
-        if tee and got == digest:
-            shutil.copyfile(target, tee)
+        got = hasher.result(target)
     if got != digest:
-        got = got or "nothing"
         target.unlink(missing_ok=True)
-        if tee:
-            tee.unlink(missing_ok=True)
         raise VerificationError(f"{name} arrived with sha256 {got[:12]}…, not the {digest[:12]}… that "
                                 f"{CHECKSUMS} names: the stored copy was altered or corrupted; refusing it")
     return target
@@ -200,17 +200,28 @@ def sweep_scratch(folder: Path, kind: str) -> list[Path]:
 
 
 def _place(blob: Path, target: Path, digest: str, cache: "BlobCache") -> None:
-    """Copy a cached blob to ``target``, hashing the bytes as they are written: what lands in the destination
-    is what was hashed, in this pull. A copy, never a hard link, so no destination shares an inode with the
-    cache (a blob edited in place cannot change an earlier destination, nor a destination the cache). A blob
-    whose bytes no longer match its name is removed from the cache and the pull refused, naming it."""
+    """Copy a cached blob to ``target`` and hash what landed there: the copy is made by the kernel
+    (:func:`shutil.copyfile`) while a second thread hashes ``target`` as it grows, so what the destination holds
+    is what was hashed, in this pull, in about the time of the slower of the two. A copy, never a hard link, so
+    no destination shares an inode with the cache (a blob edited in place cannot change an earlier destination,
+    nor a destination the cache). A blob whose bytes no longer match its name is removed from the cache and the
+    pull refused, naming it."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    h = hashlib.sha256()
-    with open(blob, "rb") as src, open(target, "wb") as dst:
-        while chunk := src.read(COPY_CHUNK):
-            h.update(chunk)
-            dst.write(chunk)
-    if h.hexdigest() != digest:
+    if blob.stat().st_size < PARALLEL_HASH_MIN:  # small: one pass, no thread
+        h = hashlib.sha256()
+        with open(blob, "rb") as src, open(target, "wb") as dst:
+            while chunk := src.read(COPY_CHUNK):
+                h.update(chunk)
+                dst.write(chunk)
+        got = h.hexdigest()
+    else:
+        hasher = _GrowingFileHasher(target)
+        hasher.start()
+        try:
+            shutil.copyfile(blob, target)
+        finally:
+            got = hasher.result(target)
+    if got != digest:
         target.unlink(missing_ok=True)
         cache.evict(digest)
         raise VerificationError(f"the cached copy of {target.name} ({blob}) no longer has sha256 {digest[:12]}… "
@@ -219,6 +230,7 @@ def _place(blob: Path, target: Path, digest: str, cache: "BlobCache") -> None:
 
 
 COPY_CHUNK = 8 << 20
+PARALLEL_HASH_MIN = 64 << 20  # a file this large is copied by the kernel while a thread hashes it
 
 
 def verify_directory(directory: Path) -> dict:
@@ -334,19 +346,34 @@ def _read_manifest(base_uri: str, staging: Path) -> dict:
 
 def _fetch_one(repo, base_uri: str, name: str, digest: str, staging: Path, cache: BlobCache | None,
                on_bytes) -> int:
+    """Download ``name`` once, hashed as it arrives, into the destination's staging folder (a rename away from
+    where the download landed); with a cache, the cache's copy is then made by the kernel from that verified
+    file, once, and only if the cache does not hold it yet (a pod on the same node may have put it there)."""
     target = staging / name
     target.parent.mkdir(parents=True, exist_ok=True)
-    with cache.scratch() if cache else tempfile.TemporaryDirectory(prefix=".incoming-", dir=staging) as tmp:
+    with _download_scratch(cache, staging) as tmp:
         # a download cut off by a server restart is tried again from the start, in a folder of its own
-        # with a cache, the destination's copy is written from the hashing thread while the download runs
         local = retrying(f"download {name} from {base_uri}", lambda: download_verified(
-            repo, name, digest, Path(tempfile.mkdtemp(dir=tmp)), on_bytes, tee=target if cache else None))
+            repo, name, digest, Path(tempfile.mkdtemp(dir=tmp)), on_bytes))
         size = local.stat().st_size
-        if cache:  # the destination has its own copy: the download itself goes into the cache
-            cache.put(local, digest)
-        else:
-            os.replace(local, target)
+        os.replace(local, target)  # the download's own inode: same file system, no copy
+    if cache and cache.get(digest, name) is None:
+        with cache.scratch() as tmp:
+            copy = Path(tmp) / "blob"
+            shutil.copyfile(target, copy)
+            cache.put(copy, digest)
     return size
+
+
+def _download_scratch(cache: BlobCache | None, staging: Path):
+    """Where a download lands before it is verified: the cache's scratch folder when the cache is on the
+    destination's file system (a puller killed mid-download leaves its partial file where the next pull on the
+    node sweeps it), else a folder in the destination's staging folder. Either way a rename from ``staging``."""
+    if cache is not None:
+        cache.root.mkdir(parents=True, exist_ok=True)
+        if os.stat(cache.root).st_dev == os.stat(staging).st_dev:
+            return cache.scratch()
+    return tempfile.TemporaryDirectory(prefix=".incoming-", dir=staging)
 
 
 @contextlib.contextmanager
