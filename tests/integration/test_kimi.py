@@ -78,7 +78,7 @@ def test_real_vllm_captures_what_transformers_captures(family, tiny, kimi, tmp_p
     connector) and writes the shards the transformers capture writes: to float32 rounding on the Llama verifier.
     On the MLA verifier vLLM serves in bf16, the first position agrees to bf16 rounding; later positions differ
     more (attention: measured ~15% relative against ~2.5% for transformers' own bf16, benchmarks/results/
-    capture-kimi.json), and the chain trains on what vLLM serves."""
+    capture-tiny+kimi.json), and the chain trains on what vLLM serves."""
     from draftline.serving import hf_model
 
     verifier = str(tiny["verifier"] if family == "llama" else kimi["verifier"])
@@ -194,7 +194,9 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     (policies / "production.yaml").write_text("stage: Production\nexport_validated: true\n")
     monkeypatch.setenv("DRAFTLINE_REGISTRY_POLICIES", str(policies))
     invoke("promote", "kimi-drafter", ex["version"], "--to", "Production")
-    invoke("pull", "kimi-drafter", "--stage", "Production", "--dest", str(tmp_path / "srv"), "--json")
+    pulled = invoke("pull", "kimi-drafter", "--stage", "Production", "--dest", str(tmp_path / "srv"), "--json")
+    assert pulled["command"].startswith(f"vllm serve {KIMI_VERIFIER_ID} --trust-remote-code ")
+    assert mv.tags["verifier.trust_remote_code"] == "True" and mv.tags["verifier.model_type"] == "kimi_k2"
     if reason:
         return
 

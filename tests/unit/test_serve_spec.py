@@ -72,3 +72,12 @@ def test_capture_extracts_the_aux_layers_and_the_last_with_draftlines_connector(
     assert transfer["kv_connector_module_path"] == "draftline_hs_connector"
     assert (PLUGINS / f"{transfer['kv_connector_module_path']}.py").is_file()
     assert transfer["kv_connector_extra_config"]["shared_storage_path"] == "/hs"
+
+
+def test_the_pulled_serve_line_trusts_the_code_only_where_the_data_was_prepared_trusting_it():
+    from draftline.registry.versions import vllm_command
+
+    trusted, _ = vllm_command(Path("/srv/d"), "moonshotai/Kimi-K2.5", 3, trust_remote_code=True)
+    plain, spec = vllm_command(Path("/srv/d"), "org/llama", 3)
+    assert trusted.startswith("vllm serve moonshotai/Kimi-K2.5 --trust-remote-code --speculative-config ")
+    assert "--trust-remote-code" not in plain and spec["num_speculative_tokens"] == 3

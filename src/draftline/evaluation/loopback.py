@@ -18,8 +18,10 @@ from pathlib import Path
 from draftline.console import say
 from draftline.evaluation.chain import ChainResult
 
-# log p(first) - log p(second) below which bf16 batched verification may choose the other token; measured on the
-# Kimi-shaped verifier (benchmarks/results/lossless-bf16-kimi.json): divergent positions had margins up to 0.2
+# log p(first) - log p(second) below which bf16 batched verification may choose the other token. Its basis: on
+# the Kimi-shaped verifier, where bf16 picks another first choice than float32, how small float32's margin was
+# (benchmarks/results/capture-tiny+kimi.json, bf16_margins); not yet measured on vLLM's own batched
+# verification, which a CPU without AMX cannot run beside a drafter (docs/kimi.md)
 BF16_TIE_MARGIN = 0.25
 
 

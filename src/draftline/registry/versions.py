@@ -238,9 +238,13 @@ def register(client, name: str, *, model_id: str, run_id: str, tags: dict[str, s
     return version
 
 
-def vllm_command(directory: Path, verifier: str, num_speculative_tokens: int = 3) -> tuple[str, dict]:
+def vllm_command(directory: Path, verifier: str, num_speculative_tokens: int = 3, *,
+                 trust_remote_code: bool = False) -> tuple[str, dict]:
+    """The ``vllm serve`` line for the pulled drafter; ``--trust-remote-code`` where the verifier's data was
+    prepared with it (its config or tokenizer ships as code, as Kimi-K2's does)."""
     spec = {"model": str(directory), "method": "eagle3", "num_speculative_tokens": num_speculative_tokens}
-    return f"vllm serve {shlex.quote(verifier)} --speculative-config {shlex.quote(json.dumps(spec))}", spec
+    trust = " --trust-remote-code" if trust_remote_code else ""
+    return f"vllm serve {shlex.quote(verifier)}{trust} --speculative-config {shlex.quote(json.dumps(spec))}", spec
 
 
 def exported_k(config: dict, tags: dict) -> int:
@@ -285,7 +289,8 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     config = json.loads((local / "config.json").read_text())
     served = config["speculators_config"]["verifier"]["name_or_path"]
     steps = exported_k(config, mv.tags)
-    cmd, spec = vllm_command(local.absolute(), verifier or served, steps)
+    cmd, spec = vllm_command(local.absolute(), verifier or served, steps,
+                             trust_remote_code=mv.tags.get("verifier.trust_remote_code") == "True")
     return {"version": mv.version, "path": str(local.absolute()), "command": cmd, "speculative_config": spec,
             "verifier": served, "downloaded_bytes": stats["downloaded_bytes"], "cached_bytes": stats["cached_bytes"]}
 
