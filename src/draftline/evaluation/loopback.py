@@ -18,10 +18,11 @@ from pathlib import Path
 from draftline.console import say
 from draftline.evaluation.chain import ChainResult
 
-# log p(first) - log p(second) below which bf16 batched verification may choose the other token. Its basis: on
-# the Kimi-shaped verifier, where bf16 picks another first choice than float32, how small float32's margin was
-# (benchmarks/results/capture-tiny+kimi.json, bf16_margins); not yet measured on vLLM's own batched
-# verification, which a CPU without AMX cannot run beside a drafter (docs/kimi.md)
+# log p(first) - log p(second) below which bf16 batched verification may choose the other token. Provisional:
+# two bf16 computations of the same logits in another order differ less than bf16 does from float32, whose
+# first-choice flips on the random Kimi-shaped miniature came at float32 margins up to 2.0 (p90 1.3, margin
+# noise p50 0.07; benchmarks/results/capture-tiny+kimi.json); vLLM's batched-vs-plain bf16 itself is not yet
+# measured here (a CPU without AMX cannot serve an MLA verifier beside a drafter: docs/kimi.md)
 BF16_TIE_MARGIN = 0.25
 
 
