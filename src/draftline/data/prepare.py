@@ -227,9 +227,8 @@ def verifier_config(path: str):
     if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")):
         raise DataError(f"verifier {d} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json): "
                         "copy the model's tokenizer files into it")
-    hf_model.check_custom_code(d)
     try:
-        config = hf_model.load_config(path)
+        config = hf_model.load_config(path)  # refuses custom code not trusted, in one line, before it runs
     except (OSError, ValueError, KeyError) as e:
         raise DataError(f"verifier {d}: transformers cannot read its config.json ({str(e).splitlines()[0]})") \
             from None
