@@ -17,6 +17,7 @@
     python -m benchmarks.run real-tier [--log LOG]  (a finished ./demo_real.sh run -> real-tier-smollm2-<scale>.json)
     python -m benchmarks.run artifact-bytes [--shape real|tiny]  (what finetune logs / bf16 weight bytes)
     python -m benchmarks.run capture                (vLLM vs transformers capture, Llama and Kimi-shaped tiny)
+    python -m benchmarks.run bf16-ties              (bf16 speculative vs plain decoding on vLLM, Kimi-shaped)
     python -m benchmarks.run step-profile [--shape smollm2|tiny --tokens N]  (where a training step's time goes)
 """
 
@@ -51,7 +52,7 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
     ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan", "data",
                                          "regenerate", "evaluation", "fleet", "real-tier", "artifact-bytes",
                                          "server-requests", "serving", "scaling", "recipe", "prediction", "capture",
-                                         "step-profile"])
+                                         "step-profile", "bf16-ties"])
     ap.add_argument("--shape", default=None, choices=["tiny", "real", "smollm2"])  # step-profile: smollm2|tiny
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--iters", type=int, default=8)
@@ -142,6 +143,10 @@ def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as th
 
         result = run(shape=args.shape or "smollm2", tokens=args.tokens if args.tokens != 512 else 1024,
                      iters=args.iters if args.iters != 8 else 3)
+    elif args.name == "bf16-ties":
+        from benchmarks.bf16_ties import run
+
+        result = run(prompts_n=args.prompts if args.prompts != 16 else 64)
     elif args.name == "registry":
         from benchmarks.registry import run
 

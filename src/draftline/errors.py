@@ -31,6 +31,13 @@ class CheckpointError(DraftlineError):
     """Raised when a checkpoint is unreadable, has the wrong layout, or its keys/shapes do not fit the model."""
 
 
+class ParentMismatch(CheckpointError):
+    """Raised when the parent drafter was made for another verifier (hidden size, shapes): the user chose it, so
+    a usage error."""
+
+    exit_code = 2
+
+
 class DataError(DraftlineError):
     """Raised when prepared data or input conversations are missing, malformed or for another verifier."""
 

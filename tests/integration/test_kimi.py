@@ -179,8 +179,12 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     reason = cannot_draft_beside(verifier)
     child = invoke("evaluate", "--target", f"runs:/{ft['run_id']}", "--data", ev["data_uri"], "--max-new-tokens",
                    "24")
-    assert child["backend"] == ("transformers" if reason else "vllm") and child["lossless"] is True, child
+    assert child["backend"] == ("transformers" if reason else "vllm"), child
     assert child["measured_acceptance_length"] > 1.0
+    assert child["lossless"] is True, child
+    if not reason:  # bf16: differences at near ties, and no more beyond them than the verifier's own bf16 noise
+        m = client.get_run(child["run_id"]).data.metrics
+        assert m["eval/measured/mismatched_prompts"] <= m["eval/measured/bf16_noise_allowed_prompts"], m
 
     ex = invoke("export", "--run", ft["run_id"], "--registered-model", "kimi-drafter")
     mv = client.get_model_version("kimi-drafter", ex["version"])

@@ -255,3 +255,40 @@ def test_evaluate_says_when_vllm_serves_other_than_the_drafters_own_forward_pred
     _predicted(cfg, drafter, recs, {"regenerated": {"temperature": 0.7}}, right + 0.5, progress=False)
     _predicted(cfg, drafter, recs, {}, right + 0.5, progress=False)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_the_bf16_lossless_check_tolerates_a_difference_only_within_each_others_top_choices():
+    """bf16 (vLLM's check_logprobs_close rule): a first difference where each server's token is among the
+    other's top choices is a near tie; a token the plain verifier did not rank at all is a mismatch; float32
+    (no top choices asked) tolerates nothing."""
+    from draftline.evaluation.chain import ChainResult
+    from draftline.evaluation.vllm_backend import lossless_against
+
+    def result(outputs, tops):
+        return ChainResult(k=3, prompts=len(outputs), drafts=1, draft_tokens=3, accepted=0, accepted_per_pos=[0] * 3,
+                           generated_tokens=6, seconds=1.0, lossless_checked=False, backend="vllm",
+                           outputs=outputs, output_tops=tops)
+
+    plain = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    plain_tops = [[{1: -0.1, 9: -3}, {2: -0.5, 20: -0.6, 21: -4}, {3: -0.1}],
+                  [{4: -0.1}, {5: -0.2, 6: -3}, {6: -0.1}],
+                  [{7: -0.1}, {8: -0.1}, {9: -0.1}]]
+    spec = [[1, 20, 3], [4, 50, 6], [7, 8, 9]]  # prompt 0: a near tie; prompt 1: 50 is not in plain's list
+    spec_tops = [[{1: -0.1}, {20: -0.5, 2: -0.55}, {3: -0.1}],
+                 [{4: -0.1}, {50: -0.1, 5: -2.0}, {6: -0.1}],
+                 [{7: -0.1}, {8: -0.1}, {9: -0.1}]]
+    checked = lossless_against(result(spec, spec_tops), plain, reference_tops=plain_tops)
+    assert [t["prompt"] for t in checked.near_ties] == [0] and checked.near_ties[0]["margin"] == 0.1
+    assert [m["prompt"] for m in checked.mismatches] == [1] and not checked.lossless
+    assert checked.metrics()["near_tie_prompts"] == 1.0 and checked.metrics()["mismatched_prompts"] == 1.0
+    exact = lossless_against(result(spec, []), plain)
+    assert [m["prompt"] for m in exact.mismatches] == [0, 1] and "near_tie_prompts" not in exact.metrics()
+    # as many mismatches as the verifier's own measured bf16 noise explains leave it lossless, no more
+    assert lossless_against(result(spec, spec_tops), plain, reference_tops=plain_tops, allowed=1).lossless
+
+
+def test_the_bf16_noise_bound_is_the_clopper_pearson_upper_bound():
+    from draftline.evaluation.loopback import binomial_upper
+
+    assert abs(binomial_upper(0, 12) - (1 - 0.05 ** (1 / 12))) < 1e-9  # no difference in 12: rate <= 22 %
+    assert 0.116 < binomial_upper(3, 64) < 0.118 and binomial_upper(64, 64) == 1.0

@@ -120,15 +120,23 @@ def _measure(cfg: EvaluateConfig, backend: str, drafter, verifier_dir: str, reco
 
 
 def _say_lossless(chain, n_prompts: int) -> None:
+    bf16 = chain.lossless_rule != "identical"
     if chain.mismatches:
         first = chain.mismatches[0]
-        say(f"BUG: speculative decoding changed the output on {len(chain.mismatches)} of "
-            f"{n_prompts} prompts (first: prompt {first['prompt']}, token {first['position']}: verifier "
-            f"{first['expected']}, got {first['got']}); greedy speculative decoding must be lossless")
+        where = (f"first: prompt {first['prompt']}, token {first['position']}: verifier {first['expected']}, got "
+                 f"{first['got']}")
+        if bf16:
+            say(f"speculative decoding changed the output beyond bf16 noise on {len(chain.mismatches)} of "
+                f"{n_prompts} prompts ({where}, not among each other's top {chain.lossless_rule[4:]} choices); "
+                "bf16 decoding can differ so from itself under another batching "
+                "(python -m benchmarks.run bf16-ties measures it), so look at these prompts before trusting it")
+        else:
+            say(f"BUG: speculative decoding changed the output on {len(chain.mismatches)} of {n_prompts} prompts "
+                f"({where}); greedy speculative decoding must be lossless")
     if chain.near_ties:
-        say(f"lossless in bf16: {len(chain.near_ties)} of {n_prompts} outputs left the plain server's at a "
-            f"near tie (its top-2 log-probability margin <= {chain.lossless_tolerance}), which bf16 batched "
-            "verification may break either way; none elsewhere")
+        say(f"lossless in bf16: {len(chain.near_ties)} of {n_prompts} outputs left the plain server's at a near "
+            f"tie (each token among the other's top {chain.lossless_rule[4:]} choices), as bf16 decoding does "
+            "under another batching")
 
 
 def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:

@@ -114,15 +114,19 @@ def complete(client: httpx.Client, endpoint: str, model: str, prompt: list[int] 
                                timeout_s=timeout_s, extra=extra)[0]
 
 
+TOP_LOGPROBS = 5  # the choices per token a bf16 lossless check compares (vLLM's own tests ask for 5)
+
+
 def complete_with_stats(client: httpx.Client, endpoint: str, model: str, prompt: list[int] | str, *,
                         max_tokens: int, headers: dict[str, str], timeout_s: float = 600.0,
-                        extra: dict | None = None, margins: list[float] | None = None) -> tuple[list[int], dict | None]:
+                        extra: dict | None = None, tops: list[dict[int, float]] | None = None,
+                        ) -> tuple[list[int], dict | None]:
     """:func:`complete`, and the request's own spec-decode statistics where the server reports them
-    (``metrics.speculative_decoding``: vLLM with ``--per-request-spec-decode-metrics summary``). With
-    ``margins`` (a list to fill), the server is asked for its top-2 log-probabilities and, per generated token,
-    the margin between its first and second choice is appended."""
-    if margins is not None:
-        extra = {**(extra or {}), "logprobs": 2}
+    (``metrics.speculative_decoding``: vLLM with ``--per-request-spec-decode-metrics summary``). With ``tops``
+    (a list to fill), the server is asked for its top :data:`TOP_LOGPROBS` log-probabilities and, per generated
+    token, ``{token id: log-probability}`` of its first choices is appended (:func:`top_choices`)."""
+    if tops is not None:  # keyed by token id: two tokens that decode alike would share one text key
+        extra = {**(extra or {}), "logprobs": TOP_LOGPROBS, "return_tokens_as_token_ids": True}
     url = endpoint.rstrip("/") + "/completions"
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "return_token_ids": True, **(extra or {})}
@@ -137,8 +141,8 @@ def complete_with_stats(client: httpx.Client, endpoint: str, model: str, prompt:
     body = r.json()
     choice = (body.get("choices") or [{}])[0]
     stats = (body.get("metrics") or {}).get("speculative_decoding")
-    if margins is not None:
-        margins.extend(top2_margins(choice))
+    if tops is not None:
+        tops.extend(top_choices(choice))
     ids = choice.get("token_ids")
     if ids is None:  # a server without return_token_ids: only the count is known
         n = int((body.get("usage") or {}).get("completion_tokens", 0))
@@ -146,11 +150,8 @@ def complete_with_stats(client: httpx.Client, endpoint: str, model: str, prompt:
     return [int(t) for t in ids], stats
 
 
-def top2_margins(choice: dict) -> list[float]:
-    """Per generated token, log p(first choice) - log p(second choice), from a completion's ``top_logprobs``
-    (``inf`` where the server listed one candidate)."""
-    out = []
-    for top in (choice.get("logprobs") or {}).get("top_logprobs") or []:
-        values = sorted((float(v) for v in (top or {}).values()), reverse=True)
-        out.append(values[0] - values[1] if len(values) > 1 else float("inf"))
-    return out
+def top_choices(choice: dict) -> list[dict[int, float]]:
+    """Per generated token, ``{token id: log-probability}`` from a completion's ``top_logprobs`` asked with
+    ``return_tokens_as_token_ids`` (keys ``"token_id:<id>"``)."""
+    return [{int(str(k).rsplit(":", 1)[-1]): float(v) for k, v in (top or {}).items()}
+            for top in (choice.get("logprobs") or {}).get("top_logprobs") or []]
