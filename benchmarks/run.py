@@ -1,35 +1,133 @@
-"""Run one benchmark, write ``benchmarks/results/<name>.json`` and print a short table.
+"""Run one benchmark, write ``benchmarks/results/<name>[-<shape>].json`` and print a short table.
 
-    python -m benchmarks.run train-step [--shape tiny|real] [--tokens N] [--iters N] [--rounds N]
-    python -m benchmarks.run parent-load [--shape real|tiny]
-    python -m benchmarks.run warm-start [--shape tiny|smollm2 --warm-start-steps N]   (smollm2: after ./demo_real.sh)
-    python -m benchmarks.run plan                   (the Kimi-K2 drafter on 8 x 180 GiB, per ZeRO stage)
-    python -m benchmarks.run registry [--shape real|tiny]
-    python -m benchmarks.run data
-    python -m benchmarks.run regenerate             (tiny server: batched vs one request at a time)
-    python -m benchmarks.run evaluation             (measured vs teacher-forced acceptance, tiny verifier)
-    python -m benchmarks.run serving [--shape smollm2 --drafter DIR]  (real vLLM vs tiny_server and in-process)
-    python -m benchmarks.run scaling [--sizes 16,64,128 --steps 60]  (served acceptance against data, same compute)
-    python -m benchmarks.run recipe [--variants base,lr-2e-3 --conversations 64 --steps 60]  (one change each, served)
-    python -m benchmarks.run fleet [--pullers 1,8,32] [--auth-cache-ttl S]  (pulls by stage while Production moves)
-    python -m benchmarks.run server-requests        (one request, one download: sqlite/PostgreSQL, with/without auth)
-    python -m benchmarks.run prediction             (a finished ./demo_real.sh run: what teacher-forced predicts vs vLLM)
-    python -m benchmarks.run real-tier [--log LOG]  (a finished ./demo_real.sh run -> real-tier-smollm2-<scale>.json)
-    python -m benchmarks.run artifact-bytes [--shape real|tiny]  (what finetune logs / bf16 weight bytes)
-    python -m benchmarks.run capture                (vLLM vs transformers capture, Llama and Kimi-shaped tiny)
-    python -m benchmarks.run bf16-ties              (bf16 speculative vs plain decoding on vLLM, Kimi-shaped)
-    python -m benchmarks.run step-profile [--shape smollm2|tiny --tokens N]  (where a training step's time goes)
+    python -m benchmarks.run NAME [options]   one subcommand per benchmark, each with only its own options
+    python -m benchmarks.run --help           every benchmark, a line each (the table BENCHMARKS below)
+    python -m benchmarks.run NAME --help      what NAME measures (its module's docstring) and its options
+
+A benchmark NAME is the module ``benchmarks/<name with - as _>.py``; its options are the keyword arguments of
+that module's ``run`` (an option left unset is not passed, so ``run``'s own default applies). The module is
+imported only when its subcommand runs: most import torch, vLLM or MLflow.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
+import os
 import platform
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+SHAPES = ("tiny", "real", "smollm2")  # benchmarks.common.SHAPES, not imported: it imports torch
+
+
+def _csv(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in _csv(text)]
+
+
+def shape(default: str, which: str) -> tuple[str, dict]:
+    return "--shape", dict(default=default, choices=SHAPES, help=f"{which} (default: %(default)s)")
+
+
+def steps(what: str) -> tuple[str, dict]:
+    return "--steps", dict(type=int, default=60, metavar="N", help=f"{what} (default: %(default)s)")
+
+
+PARENT = "--parent", dict(default=None, metavar="DIR",
+                          help="the parent directory, or random (default: the last ./demo_real.sh run's)")
+
+# name -> (one line for --help, its options as (flag, argparse keywords)); dest is run's keyword argument
+BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
+    "train-step": ("our DeepSpeed step (ZeRO 1, 2, 3) vs a bare PyTorch AdamW step", [
+        shape("tiny", "tiny, or real: the Kimi-K2 drafter (a GPU job)"),
+        ("--tokens", dict(type=int, default=512, metavar="N", help="tokens per step (default: %(default)s)")),
+        ("--iters", dict(type=int, default=8, metavar="N", help="steps per variant a round (default: %(default)s)")),
+        ("--rounds", dict(type=int, default=3, metavar="N",
+                          help="interleaved rounds, >= 3 for a spread (default: %(default)s)"))]),
+    "parent-load": ("load + remap of an AQ-MedAI-layout parent vs reading its tensors", [
+        shape("real", "real (a 2.4 GB checkpoint) or tiny")]),
+    "warm-start": ("finetune steps from the parent vs from random init (smollm2: after ./demo_real.sh)", [
+        shape("tiny", "tiny, or smollm2: a finished ./demo_real.sh run"),
+        ("--warm-start-steps", dict(type=int, default=None, dest="steps", metavar="N",
+                                    help="smollm2: train both sides at this budget (default: the child's steps)"))]),
+    "plan": ("the Kimi-K2 drafter on 8 x 180 GiB, per ZeRO stage", []),
+    "registry": ("register -> pull through a local mlflow server vs MLflow's own upload / download", [
+        shape("real", "real (2.3 GB) or tiny")]),
+    "data": ("capture tokens/s, shard bytes per token, loader vs train step", []),
+    "regenerate": ("tiny server: batched vs one request at a time", []),
+    "evaluation": ("measured vs teacher-forced acceptance, tiny verifier", []),
+    "serving": ("real vLLM vs tiny_server and in-process (smollm2: --drafter DIR)", [
+        shape("tiny", "tiny, or smollm2 (needs --drafter)"),
+        ("--drafter", dict(default=None, dest="drafter_dir", metavar="DIR",
+                           help="--shape smollm2: the drafter directory to serve")),
+        ("--prompts", dict(type=int, default=16, dest="prompts_n", metavar="N",
+                           help="prompts per variant (default: %(default)s)"))]),
+    "scaling": ("served acceptance against data, same compute", [
+        ("--sizes", dict(type=_ints, default="16,64,128", metavar="N,N,...",
+                         help="nested subsets of GSM8K train conversations (default: %(default)s)")),
+        steps("finetune steps for every size (same compute)"),
+        PARENT,
+        ("--replot", dict(action="store_true",
+                          help="draw the plot again from the results only (after a new full real-tier run)"))]),
+    "recipe": ("one finetune setting changed at a time, served by vLLM", [
+        ("--variants", dict(type=_csv, default="base,lr-1e-3,lr-2e-3", metavar="NAME,...",
+                            help="variants to measure against base, benchmarks/recipe.py VARIANTS "
+                                 "(default: %(default)s)")),
+        ("--conversations", dict(type=int, default=64, metavar="N",
+                                 help="GSM8K train conversations (default: %(default)s)")),
+        steps("finetune steps for every variant"),
+        ("--on-top-of", dict(type=lambda text: tuple(_csv(text)), default="", metavar="NAME,...",
+                             help="variants already kept, folded into base for this round")),
+        PARENT]),
+    "fleet": ("concurrent pulls by stage while Production moves, vs MLflow's download", [
+        ("--pullers", dict(type=_ints, default="1,8,32", dest="counts", metavar="N,N,...",
+                           help="concurrent pullers per round (default: %(default)s)")),
+        ("--auth-cache-ttl", dict(type=int, default=60, dest="auth_cache_ttl_s", metavar="S",
+                                  help="the server's auth_cache_ttl_seconds, 0: MLflow's default, a hash check "
+                                       "a request (default: %(default)s)"))]),
+    "server-requests": ("one request, one download: sqlite/PostgreSQL, with/without auth", []),
+    "prediction": ("a finished ./demo_real.sh run: what teacher-forced predicts vs vLLM", []),
+    "real-tier": ("a finished ./demo_real.sh run -> real-tier-smollm2-<scale>.json", [
+        ("--log", dict(default=None, metavar="LOG", help="demo_real.sh's stderr (default: work/real/demo.log)"))]),
+    "artifact-bytes": ("what finetune logs / bf16 weight bytes", [shape("real", "real or tiny")]),
+    "capture": ("vLLM vs transformers capture, Llama and Kimi-shaped tiny", []),
+    "bf16-ties": ("bf16 speculative vs plain decoding on vLLM, Kimi-shaped", [
+        ("--prompts", dict(type=int, default=64, dest="prompts_n", metavar="N",
+                           help="GSM8K prompts (default: %(default)s)"))]),
+    "step-profile": ("where a training step's time goes", [
+        shape("smollm2", "smollm2 (the real tier's drafter) or tiny"),
+        ("--tokens", dict(type=int, default=1024, metavar="N", help="tokens per step (default: %(default)s)")),
+        ("--iters", dict(type=int, default=3, metavar="N", help="profiled steps (default: %(default)s)"))]),
+}
+
+
+def _module(name: str) -> str:
+    return f"benchmarks.{name.replace('-', '_')}"
+
+
+def _about(name: str) -> str | None:
+    """The benchmark module's docstring, read without importing the module."""
+    path = HERE / f"{name.replace('-', '_')}.py"
+    return ast.get_docstring(ast.parse(path.read_text())) if path.exists() else None
+
+
+def parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__, formatter_class=raw)
+    sub = ap.add_subparsers(dest="name", metavar="NAME", required=True, title="benchmarks")
+    for name, (line, options) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=line, description=_about(name) or line, formatter_class=raw)
+        for flag, kwargs in options:
+            p.add_argument(flag, **kwargs)
+    return ap
 
 
 def _table(result: dict) -> str:
@@ -47,125 +145,23 @@ def _table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def main(argv=None) -> int:  # noqa: C901  (one branch per benchmark name, as the usage above lists them)
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("name", choices=["train-step", "parent-load", "warm-start", "registry", "plan", "data",
-                                         "regenerate", "evaluation", "fleet", "real-tier", "artifact-bytes",
-                                         "server-requests", "serving", "scaling", "recipe", "prediction", "capture",
-                                         "step-profile", "bf16-ties"])
-    ap.add_argument("--shape", default=None, choices=["tiny", "real", "smollm2"])  # step-profile: smollm2|tiny
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3, help="train-step: interleaved rounds (>= 3 for a spread)")
-    ap.add_argument("--pullers", default="1,8,32", help="fleet: concurrent pullers per round")
-    ap.add_argument("--auth-cache-ttl", type=int, default=60,
-                    help="fleet: the server's auth_cache_ttl_seconds (0: MLflow's default, a hash check a request)")
-    ap.add_argument("--drafter", default=None, help="serving --shape smollm2: the drafter directory to serve")
-    ap.add_argument("--prompts", type=int, default=16, help="serving: prompts per variant")
-    ap.add_argument("--sizes", default="16,64,128", help="scaling: nested subsets of GSM8K train conversations")
-    ap.add_argument("--steps", type=int, default=60, help="scaling: finetune steps for every size (same compute)")
-    ap.add_argument("--variants", default="base,lr-1e-3,lr-2e-3",
-                    help="recipe: variants to measure against base (benchmarks/recipe.py VARIANTS)")
-    ap.add_argument("--conversations", type=int, default=64, help="recipe: GSM8K train conversations")
-    ap.add_argument("--on-top-of", default="", help="recipe: variants already kept, folded into base for this round")
-    ap.add_argument("--warm-start-steps", type=int, default=None,
-                    help="warm-start --shape smollm2: train both sides at this budget (default: the child's steps)")
-    ap.add_argument("--parent", default=None,
-                    help="scaling, recipe: the parent directory (default: the last demo_real.sh run's) or random")
-    ap.add_argument("--replot", action="store_true", help="scaling: draw the plot again from the results only")
-    ap.add_argument("--log", default=None, help="real-tier: demo_real.sh's stderr (default work/real/demo.log)")
-    args = ap.parse_args(argv)
-    t0 = time.time()
-    if args.name == "train-step":
-        from benchmarks.train_step import run
-
-        result = run(shape=args.shape or "tiny", tokens=args.tokens, iters=args.iters, rounds=args.rounds)
-    elif args.name == "warm-start":
-        from benchmarks.warm_start import run
-
-        result = run(shape=args.shape or "tiny", **({"steps": args.warm_start_steps} if args.warm_start_steps else {}))
-    elif args.name == "plan":
-        from benchmarks.plan import run
-
-        result = run()
-    elif args.name == "evaluation":
-        from benchmarks.evaluation import run
-
-        result = run()
-    elif args.name == "real-tier":
-        from benchmarks.real_tier import run
-
-        result = run(log=args.log)
-    elif args.name == "prediction":
-        from benchmarks.prediction import run
-
-        result = run()
-    elif args.name == "data":
-        from benchmarks.data import run
-
-        result = run()
-    elif args.name == "regenerate":
-        from benchmarks.regenerate import run
-
-        result = run()
-    elif args.name == "fleet":
-        from benchmarks.fleet import run
-
-        result = run(counts=[int(x) for x in args.pullers.split(",")], auth_cache_ttl_s=args.auth_cache_ttl)
-    elif args.name == "serving":
-        from benchmarks.serving import run
-
-        result = run(shape=args.shape or "tiny", drafter_dir=args.drafter, prompts_n=args.prompts)
-    elif args.name == "scaling":
-        from benchmarks.scaling import replot, run
-
-        result = replot() if args.replot else run(sizes=[int(x) for x in args.sizes.split(",")], steps=args.steps,
-                                                  parent=args.parent)
-    elif args.name == "recipe":
-        from benchmarks.recipe import run
-
-        result = run(variants=args.variants.split(","), conversations=args.conversations, steps=args.steps,
-                     on_top_of=tuple(x for x in args.on_top_of.split(",") if x), parent=args.parent)
-    elif args.name == "server-requests":
-        from benchmarks.server_requests import run
-
-        result = run()
-    elif args.name == "artifact-bytes":
-        from benchmarks.artifact_bytes import run
-
-        result = run(shape=args.shape or "real")
-    elif args.name == "capture":
-        from benchmarks.capture import run
-
-        result = run()
-    elif args.name == "step-profile":
-        from benchmarks.step_profile import run
-
-        result = run(shape=args.shape or "smollm2", tokens=args.tokens if args.tokens != 512 else 1024,
-                     iters=args.iters if args.iters != 8 else 3)
-    elif args.name == "bf16-ties":
-        from benchmarks.bf16_ties import run
-
-        result = run(prompts_n=args.prompts if args.prompts != 16 else 64)
-    elif args.name == "registry":
-        from benchmarks.registry import run
-
-        result = run(shape=args.shape or "real")
-    else:
-        from benchmarks.parent_load import run
-
-        result = run(shape=args.shape or "real")
-    if getattr(args, "replot", False) and args.name == "scaling":  # the figures are the earlier run's: keep its record
+def main(argv=None) -> int:
+    kwargs = vars(parser().parse_args(argv))
+    name = kwargs.pop("name")
+    if kwargs.pop("replot", False):  # scaling --replot: the figures are the earlier run's, so keep its record
+        importlib.import_module(_module(name)).replot()
         print(f"scaling: {RESULTS / 'scaling-smollm2.png'} drawn again from {RESULTS / 'scaling-smollm2.json'}")
         return 0
-    result.update({"benchmark": args.name, "wall_s": round(time.time() - t0, 1),
-                   "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+    t0 = time.time()
+    result = importlib.import_module(_module(name)).run(**{k: v for k, v in kwargs.items() if v is not None})
+    result.update({"benchmark": name, "wall_s": round(time.time() - t0, 1),
+                   "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                    "date": time.strftime("%Y-%m-%d")})
     RESULTS.mkdir(exist_ok=True)
     suffix = f"-{result.get('shape')}" if result.get("shape") else ""
-    out = RESULTS / f"{args.name}{suffix}.json"
+    out = RESULTS / f"{name}{suffix}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{args.name} ({result.get('shape')}, {result.get('device', 'cpu')}) -> {out}\n{_table(result)}")
+    print(f"{name} ({result.get('shape')}, {result.get('device', 'cpu')}) -> {out}\n{_table(result)}")
     return 0
 
 

@@ -5,6 +5,7 @@ Precedence is flag > config file > default, applied by :func:`resolve` (pure: it
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -304,8 +305,6 @@ SYNONYMS = {"learning_rate": "lr", "max_steps": "steps", "num_steps": "steps", "
 
 def suggest(name: str, known) -> str | None:
     """The known name closest to ``name`` (a synonym from other trainers first), or None."""
-    import difflib
-
     known = list(known)
     key = name.replace("-", "_")
     if key in known:

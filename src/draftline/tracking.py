@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
+import warnings
 from pathlib import Path
 
+import mlflow
+import requests  # MLflow's own HTTP client
+from mlflow import MlflowClient
+from mlflow.entities import Param
+from mlflow.tracking import fluent
+from mlflow.utils.file_utils import local_file_uri_to_path
+from sqlalchemy.engine import make_url
+
 from draftline.console import say
-from draftline.errors import DataError, ServerUnavailable, TrackingError
+from draftline.errors import DataError, Interrupted, ServerUnavailable, TrackingError
 
 EXPERIMENT_ENV = "DRAFTLINE_EXPERIMENT"
 DEFAULT_EXPERIMENT = "draftline"
@@ -28,10 +38,6 @@ def tracking_uri() -> str:
 def setup(experiment: str | None = None, *, select_experiment: bool = True) -> str:
     """Point MLflow at the tracking store, check it answers, select the experiment (not for the registry's
     commands: a deployment that only pulls needs no experiment, nor the right to create one). Returns the URI."""
-    import warnings
-
-    import mlflow
-
     # MLflow warns about its own stage API on every call; draftline keeps stages in step with aliases on purpose
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"mlflow(\.|$)")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"draftline(\.|$)")
@@ -65,8 +71,6 @@ def setup(experiment: str | None = None, *, select_experiment: bool = True) -> s
 
 def experiment_id() -> str:
     """The experiment this process logs to, as :func:`setup` selected it (under ``mlflow run``: its run's)."""
-    import mlflow
-
     if os.environ.get("MLFLOW_RUN_ID"):
         return mlflow.MlflowClient().get_run(os.environ["MLFLOW_RUN_ID"]).info.experiment_id
     if os.environ.get("MLFLOW_EXPERIMENT_ID"):
@@ -83,13 +87,9 @@ def store_path(uri: str) -> Path | None:
     (a server, an in-memory sqlite). Parsed as SQLAlchemy and MLflow parse them: ``sqlite:///mlflow.db`` is
     relative to the working directory, ``sqlite:////abs/mlflow.db`` absolute."""
     if uri.startswith("sqlite:"):
-        from sqlalchemy.engine import make_url
-
         database = make_url(uri).database
         return Path(database) if database and database != ":memory:" else None
     if uri.startswith("file:"):
-        from mlflow.utils.file_utils import local_file_uri_to_path
-
         return Path(local_file_uri_to_path(uri))
     if "://" not in uri and not uri.startswith(("databricks", "uc:")):
         return Path(uri)
@@ -126,7 +126,6 @@ def run_link(experiment_id: str, run_id: str, uri: str | None = None) -> str:
 def check_reachable(uri: str) -> None:
     if not uri.startswith(("http://", "https://")):
         return
-    import requests  # MLflow's own HTTP client, already loaded
 
     try:
         requests.get(uri.rstrip("/") + "/health", timeout=10.0)
@@ -144,8 +143,6 @@ def stage_run(step: str, run_name: str | None = None, tags: dict[str, str] | Non
 
     A stage that raises leaves its run FAILED, never RUNNING.
     """
-    import mlflow
-
     resuming = run_id or os.environ.get("MLFLOW_RUN_ID")
     try:
         run = mlflow.start_run(run_id=run_id, run_name=None if resuming else run_name,
@@ -156,8 +153,6 @@ def stage_run(step: str, run_name: str | None = None, tags: dict[str, str] | Non
     try:
         yield run
     except BaseException as e:
-        from draftline.errors import Interrupted
-
         end_run("KILLED" if isinstance(e, (Interrupted, KeyboardInterrupt)) else "FAILED")
         raise
     else:
@@ -167,12 +162,6 @@ def stage_run(step: str, run_name: str | None = None, tags: dict[str, str] | Non
 def end_run(status: str, wait_s: float | None = None) -> None:
     """End the active run with ``status``; a tracking server that is away is retried for up to ``wait_s``
     (``DRAFTLINE_TRACKING_WAIT_S``, default 600 s), so an outage at the end does not leave the run RUNNING."""
-    import time
-
-    import mlflow
-    from mlflow import MlflowClient
-    from mlflow.tracking import fluent
-
     run = mlflow.active_run()
     if run is None:
         return
@@ -202,9 +191,6 @@ def end_run(status: str, wait_s: float | None = None) -> None:
 def log_params_once(params: dict[str, object], run_id: str | None = None) -> None:
     """Log params; on a resumed run, skip those already logged with the same value (MLflow params are
     immutable) and refuse a changed value."""
-    import mlflow
-    from mlflow import MlflowClient
-
     client = MlflowClient()
     if run_id is None:
         active = mlflow.active_run()
@@ -222,8 +208,6 @@ def log_params_once(params: dict[str, object], run_id: str | None = None) -> Non
             continue
         fresh[k] = s
     if fresh:
-        from mlflow.entities import Param
-
         items = [Param(k, v) for k, v in fresh.items()]
         for i in range(0, len(items), 100):
             client.log_batch(run_id, params=items[i : i + 100])
@@ -240,8 +224,6 @@ def parse_run_ref(ref: str) -> tuple[str, str | None]:
 
 def download(uri: str, dest: Path | None = None) -> Path:
     """Download an MLflow artifact URI (``runs:/``, ``models:/``...) and return the local path."""
-    import mlflow
-
     try:
         local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dest) if dest else None)
     except Exception as e:  # noqa: BLE001

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
+import json
 import os
 import shlex
 import signal
@@ -14,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from draftline.errors import Interrupted
+from draftline.errors import DataError, Interrupted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -48,8 +50,6 @@ def file_manifest(paths) -> dict[str, str]:
 def manifest_digest(manifest: dict[str, str]) -> str:
     """The one digest draftline gives a set of files: sha256 over its sorted ``(name, sha256)`` pairs. An
     export's ``export.sha256``, a parent's ``parent.sha256`` and a pulled directory's ``manifest_sha256``."""
-    import json
-
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
@@ -70,10 +70,6 @@ def exclusive(lock_file: Path, *, busy: str):
     """One writer at a time: hold ``lock_file`` (created if needed, an exclusive non-blocking ``flock``) for
     the block; raise :class:`DataError` ``busy`` if another process holds it. The kernel releases it when the
     holder dies, even by ``kill -9``."""
-    import fcntl
-
-    from draftline.errors import DataError
-
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_file, "w") as f:
         try:

@@ -40,3 +40,45 @@ def test_vllm_backend_errors_name_the_fix(tiny, tmp_path):
         with pytest.raises(DataError, match="does not serve other-model"):
             build_data(PrepareConfig(**cfg, capture_endpoint=srv.url, capture_model="other-model"), tmp_path / "c",
                        progress=False)
+
+
+def test_a_capture_server_extracting_other_layers_is_one_line_exit_2_before_any_run(workspace, tiny, tmp_path):
+    from click.testing import CliRunner
+    from mlflow import MlflowClient
+
+    from draftline.cli import cli
+
+    # prepare reads the aux layers [2, 4, 5] plus the last; this server extracts [2, 4] plus the last
+    with serve_in_thread(tiny["verifier"], hidden_states_dir=tmp_path / "hs", aux_layer_ids=[2, 4]) as srv:
+        r = CliRunner().invoke(cli, ["prepare", "--conversations", str(DEMO), "--verifier", str(tiny["verifier"]),
+                                     "--max-samples", "4", "--capture-backend", "vllm", "--capture-endpoint",
+                                     srv.url, "--capture-model", srv.model, "--output-dir", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "expected [tokens, 4, " in errors[0] and "--aux-layers" in errors[0], r.output
+    client = MlflowClient()
+    assert not client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_verifier_vllm_has_no_implementation_of_is_one_line_exit_2_before_any_run(workspace, tiny, tmp_path,
+                                                                                   vllm_python):
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+    from mlflow import MlflowClient
+
+    from draftline.cli import cli
+
+    verifier = shutil.copytree(tiny["verifier"], tmp_path / "mystery")
+    config = json.loads((verifier / "config.json").read_text())
+    (verifier / "config.json").write_text(json.dumps({**config, "architectures": ["MysteryForCausalLM"]}))
+    r = CliRunner().invoke(cli, ["prepare", "--conversations", str(DEMO), "--verifier", str(verifier),
+                                 "--max-samples", "4", "--capture-backend", "vllm"])
+    assert r.exit_code == 2, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "vLLM has no implementation of MysteryForCausalLM" in errors[0], r.output
+    assert "--capture-backend transformers" in errors[0]
+    client = MlflowClient()
+    assert not client.search_runs([e.experiment_id for e in client.search_experiments()])

@@ -46,17 +46,19 @@ def _data_for_another_verifier(prepared, tmp_path, **changes):
     return copy
 
 
-@pytest.mark.parametrize("changes, message", [
+@pytest.mark.parametrize("changes, message, code", [
     ({"aux_layer_ids": [1, 3, 5]}, "the data has aux layers [1, 3, 5] but parent tiny reads [2, 4, 5]: prepare the "
-                                   "data with --aux-layers 2,4,5"),
-    ({"hidden_size": 256}, "parent tiny was trained for a verifier with hidden size 128, but the data was prepared"),
+                                   "data with --aux-layers 2,4,5", 1),
+    # a parent made for a verifier of another hidden size: the user's choice of parent, a usage error
+    ({"hidden_size": 256}, "parent tiny was trained for a verifier with hidden size 128, but the data was prepared",
+     2),
 ])
 def test_data_for_another_verifier_or_other_aux_layers_is_refused(run, workspace, prepared, tmp_path, changes,
-                                                                  message):
+                                                                  message, code):
     from mlflow import MlflowClient
 
     r = run("finetune", "--data", str(_data_for_another_verifier(prepared, tmp_path, **changes)), "--init", "tiny")
-    assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output
+    assert r.exit_code == code and message in r.output and "Traceback" not in r.output
     runs = MlflowClient().search_runs([e.experiment_id for e in MlflowClient().search_experiments()])
     assert runs == []  # refused before the run exists: no FAILED run, nothing trained
 

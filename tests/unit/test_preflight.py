@@ -128,10 +128,32 @@ def test_finetune_refuses_a_mis_shaped_parent_before_any_rank_starts(workspace, 
                            catch_exceptions=False)
     took = time.perf_counter() - t0
     print(f"mis-shaped parent refused in {took:.1f} s")
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output  # the parent is the user's choice: a usage error
     assert "midlayer.mlp.up_proj.weight: parent [300, 128], model [256, 128]" in r.output
     assert "Traceback" not in r.output
     assert not list((workspace / "work").glob("*/worker_spec.json"))  # no rank was launched (timings: a benchmark)
+
+
+
+def test_a_parent_made_for_a_verifier_of_another_hidden_size_is_one_line_exit_2_and_no_run(workspace, prepared,
+                                                                                         tmp_path):
+    # AQ-MedAI's Kimi-K2 drafter (hidden 7168, sparse on disk) as the parent of a drafter for the tiny verifier
+    parent = _aq_medai_parent(tmp_path / "aq")
+    r = CliRunner().invoke(cli, ["finetune", "--data", str(prepared), "--init", str(parent), "--gpus", "1"],
+                           catch_exceptions=False)
+    assert r.exit_code == 2, r.output
+    error = [line for line in r.output.splitlines() if line.startswith("error")]
+    assert len(error) == 1 and "hidden size 7168" in error[0] and "hidden size 128" in error[0], r.output
+    assert "choose a parent made for this verifier" in error[0]
+    assert "Traceback" not in r.output
+    assert _runs(workspace) == 0
+
+
+def _runs(workspace: Path) -> int:
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    return len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,8 @@ import typing
 
 import click
 
-from draftline.config import check_model_name
+from draftline import console
+from draftline.config import check_model_name, load_file, resolve
 from draftline.errors import DraftlineError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -108,8 +109,6 @@ def _require(model, f):
 
     @functools.wraps(f)
     def checked(*args, **kwargs):
-        from draftline.config import load_file
-
         missing = [n for n, fld in model.model_fields.items() if fld.is_required() and kwargs.get(n) in (None, "")]
         if missing and kwargs.get("config_file"):
             in_file = load_file(kwargs["config_file"])
@@ -182,8 +181,6 @@ def _result(fn, *args, **kwargs):
 
 
 def _settings(model, config_file, flags):
-    from draftline.config import resolve
-
     flags = {k: v for k, v in flags.items() if v != ""}
     for name in [k for k in flags if k.startswith("no_") and k[3:] in model.model_fields]:
         if flags.pop(name):
@@ -212,8 +209,6 @@ def cli(verbose: int):
     Tracking:  MLFLOW_TRACKING_URI (default: sqlite:///$PWD/mlflow.db); experiment: DRAFTLINE_EXPERIMENT
     Verbosity: quiet by default; -v or DRAFTLINE_LOG=info|debug shows the libraries' warnings and logs
     """
-    from draftline import console
-
     console.configure(verbose)
 
 

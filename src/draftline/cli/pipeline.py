@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import logging
 
+import mlflow
+from mlflow import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PROJECT_ENTRY_POINT
+
+from draftline import tracking
+from draftline.config import project_root
 from draftline.errors import DraftlineError, TrainingError
+from draftline.registry import lineage
 
 log = logging.getLogger(__name__)
 
 
 def _find_finished(client, experiment_id: str, entry_point: str, params: dict[str, str], commit: str | None):
-    from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PROJECT_ENTRY_POINT
-
     runs = client.search_runs([experiment_id], filter_string=f"tags.`{MLFLOW_PROJECT_ENTRY_POINT}` = "
                                                              f"'{entry_point}' and attributes.status = 'FINISHED'",
                               order_by=["attributes.start_time DESC"], max_results=200)
@@ -28,23 +33,19 @@ def _find_finished(client, experiment_id: str, entry_point: str, params: dict[st
 
 
 def _step(client, experiment_id, entry_point: str, params: dict[str, object], commit, use_cache: bool) -> str:
-    import mlflow
-
-    from draftline.config import project_root
-
     root = project_root()
     if root is None:
         raise DraftlineError("main chains the MLproject entry points and runs from a draftline checkout; run "
                              "the stages one by one (draftline prepare, finetune, export) with an installed wheel")
-    params = {k: str(v) for k, v in params.items()}
+    as_text = {k: str(v) for k, v in params.items()}
     if use_cache:
-        hit = _find_finished(client, experiment_id, entry_point, params, commit)
+        hit = _find_finished(client, experiment_id, entry_point, as_text, commit)
         if hit:
             log.info("reusing %s run %s (same parameters, commit and upstream runs)", entry_point, hit.info.run_id)
             return hit.info.run_id
-    submitted = mlflow.projects.run(str(root), entry_point=entry_point, parameters=params,
+    submitted = mlflow.projects.run(str(root), entry_point=entry_point, parameters=as_text,
                                     env_manager="local", experiment_id=experiment_id, synchronous=False)
-    for k, v in params.items():  # the exact strings asked for, so the cache compares like with like
+    for k, v in as_text.items():  # the exact strings asked for, so the cache compares like with like
         client.set_tag(submitted.run_id, f"draftline.param.{k}", v)
     if not submitted.wait():
         raise TrainingError(f"the {entry_point} step failed (run {submitted.run_id}); see its output above")
@@ -53,16 +54,10 @@ def _step(client, experiment_id, entry_point: str, params: dict[str, object], co
 
 def run_main(*, conversations: str, verifier: str, init: str, registered_model: str,
              extra: dict[str, dict[str, str]] | None = None, use_cache: bool = True) -> dict[str, str]:
-    import mlflow
-    from mlflow import MlflowClient
-
-    from draftline import tracking
-    from draftline.registry import lineage
-
     extra = extra or {}
     tracking.setup()
     client = MlflowClient()
-    commit = lineage.git_commit().removesuffix("-dirty")  # what MLflow records as mlflow.source.git.commit
+    commit: str | None = lineage.git_commit().removesuffix("-dirty")  # what MLflow records as mlflow.source.git.commit
     commit = None if commit == "unknown" else commit
     with tracking.stage_run("main", run_name="main") as parent:
         exp = parent.info.experiment_id

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, model_name, settings_options
-from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig
+from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig, shipped, suggest
 from draftline.serving.verifiers import CATALOG as VERIFIERS
 
 
@@ -31,7 +31,6 @@ def make_tiny_cmd(out_dir, conversations, parent_steps, seed, family):
 
     The catalog entry `init=tiny` finds the Llama family's parent through DRAFTLINE_TINY_DIR=OUT_DIR (or
     work/tiny); `init=tiny-kimi` the Kimi family's through DRAFTLINE_TINY_KIMI_DIR=OUT_DIR (or work/tiny-kimi)."""
-    from draftline.config import shipped
     from draftline.testing.kimi import KIMI_K25_VERIFIER_ID, KIMI_VERIFIER_ID, make_tiny_kimi
     from draftline.testing.tiny import TINY_VERIFIER_ID, make_tiny
 
@@ -129,8 +128,6 @@ def main_cmd(conversations, verifier, init, registered_model, overrides, no_cach
         fields = {"prepare": PrepareConfig, "finetune": FinetuneConfig, "export": ExportConfig}[step].model_fields
         name = name.replace("-", "_")
         if name not in fields:
-            from draftline.config import suggest
-
             near = suggest(name, fields)
             raise click.BadParameter(f"{step} has no setting {name!r}" + (f"; did you mean {step}.{near}?" if near
                                      else f"; see draftline {step} --help"), param_hint="--set")

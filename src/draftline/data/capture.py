@@ -7,10 +7,13 @@ stream vLLM hands EAGLE-3). The last hidden state is taken *before* the final no
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator
 
 import torch
+from tqdm.auto import tqdm
 
+from draftline.console import bar_kwargs
 from draftline.data.tokenize import TokenizedSample
 
 
@@ -46,8 +49,6 @@ def iter_hidden_states(verifier, samples: Iterable[TokenizedSample], aux_layer_i
 def _one_logit(verifier) -> dict:
     """``logits_to_keep=1`` where the verifier takes it: the hidden states are all capture needs, and full
     logits cost batch x length x vocabulary floats (1.6 GB for 8 x 1000 tokens of a 49 152-token vocabulary)."""
-    import inspect
-
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(verifier.forward).parameters else {}
 
 
@@ -75,10 +76,6 @@ def _run_batch(verifier, batch, aux_layer_ids, captured, device):
 
 def capture_hidden_states(verifier, samples, aux_layer_ids, batch_size: int = 8, progress: bool = False):
     """All records as a list (for small data; ``prepare`` streams them into shards instead)."""
-    from tqdm.auto import tqdm
-
-    from draftline.console import bar_kwargs
-
     samples = list(samples)
     it = iter_hidden_states(verifier, samples, aux_layer_ids, batch_size)
     return list(tqdm(it, total=len(samples), desc="hidden states", unit="sample", **bar_kwargs(progress)))

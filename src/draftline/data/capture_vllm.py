@@ -18,19 +18,25 @@ extracting the aux layers plus the last).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import httpx
+import openai
 import torch
+from safetensors.torch import load_file
+from speculators.data_generation.offline import check_hidden_states
+from speculators.data_generation.vllm_client import generate_hidden_states_async
 
+from draftline.data.regenerate import served_models
 from draftline.data.tokenize import TokenizedSample
 from draftline.errors import DataError, UsageError
+from draftline.serving.client import api_key, redact
 from draftline.serving.engine import EngineError, ServeSpec, VllmServer
 
 
 async def _one(client, model: str, sample: TokenizedSample, timeout: float, retries: int):
-    from speculators.data_generation.vllm_client import generate_hidden_states_async
-
     path, _ = await generate_hidden_states_async(client, model, {"input_ids": list(sample.input_ids)},
                                                  timeout=timeout, max_retries=retries)
     return path
@@ -38,8 +44,6 @@ async def _one(client, model: str, sample: TokenizedSample, timeout: float, retr
 
 def _written(path: str) -> None:
     """Wait until the server has finished writing ``path`` (it holds ``<path>.lock`` exclusively until then)."""
-    import fcntl
-
     lock = Path(path + ".lock")
     if lock.exists():
         with open(lock) as f:
@@ -47,9 +51,6 @@ def _written(path: str) -> None:
 
 
 def _record(path: str, sample: TokenizedSample, num_aux: int, hidden: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    from speculators.data_generation.offline import check_hidden_states
-
     try:
         _written(path)
         data = load_file(path)
@@ -76,12 +77,19 @@ def _record(path: str, sample: TokenizedSample, num_aux: int, hidden: int) -> di
 
 
 def _answers(endpoint: str) -> bool:
-    import httpx
-
     try:
         return httpx.get(endpoint.rstrip("/") + "/models", timeout=5.0).status_code < 500
     except httpx.HTTPError:
         return False
+
+
+def probe_capture(endpoint: str, model: str, *, num_aux: int, hidden_size: int) -> None:
+    """Capture one short prompt through ``endpoint`` and discard it: a server that is down, serves another model
+    or extracts other layers than ``--aux-layers`` says so before prepare opens a run."""
+    probe = TokenizedSample("probe", list(range(1, 9)), [0] * 8)
+    for _ in iter_hidden_states_vllm([probe], endpoint, model, num_aux=num_aux, hidden_size=hidden_size,
+                                     batch_size=1, retries=0):
+        pass
 
 
 def loopback_capture_server(verifier: str, layers: list[int], out_dir: str, *, max_len: int) -> VllmServer:
@@ -96,13 +104,8 @@ def iter_hidden_states_vllm(samples: Sequence[TokenizedSample], endpoint: str, m
                             retries: int = 3, server: VllmServer | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """One record per sample, in order, ``batch_size`` requests in flight at a time. ``server``: the loopback
     server behind ``endpoint``, whose death is reported with its root cause."""
-    import openai
-
     async def window(client, chunk):
         return await asyncio.gather(*(_one(client, model, s, timeout, retries) for s in chunk))
-
-    from draftline.data.regenerate import served_models
-    from draftline.serving.client import api_key, redact
 
     if model not in served_models(endpoint, what="vLLM capture endpoint", flag="--capture-endpoint"):  # one clear error when the server is down or serves another model
         raise DataError(f"the vLLM server at {redact(endpoint)} does not serve {model}; pass --capture-model with "

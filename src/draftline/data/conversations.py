@@ -22,7 +22,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import datasets
+import pyarrow.parquet as pq
+
+from draftline.config import parse_categories
 from draftline.errors import DataError
+from draftline.util import file_sha256
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant"}
@@ -84,8 +89,6 @@ def is_prompt(sample: dict) -> bool:
 
 
 def _records_from_dataset(path: Path) -> list[tuple[int, object]]:
-    import datasets
-
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001
@@ -112,8 +115,8 @@ def _records_from_json(path: Path) -> tuple[list[tuple[int, object]], list[tuple
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise DataError(f"{path} is not UTF-8: line {line}, byte offset {e.start} (0x{raw[e.start]:02x}); "
+        at_line = raw[: e.start].count(b"\n") + 1
+        raise DataError(f"{path} is not UTF-8: line {at_line}, byte offset {e.start} (0x{raw[e.start]:02x}); "
                         "re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     records: list[tuple[int, object]] = []
     skipped: list[tuple[int, str]] = []
@@ -134,8 +137,6 @@ def _records_from_json(path: Path) -> tuple[list[tuple[int, object]], list[tuple
 
 
 def _records_from_parquet(path: Path) -> list[tuple[int, object]]:
-    import pyarrow.parquet as pq
-
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as e:  # noqa: BLE001 (pyarrow's ArrowInvalid and friends)
@@ -146,8 +147,6 @@ def _records_from_parquet(path: Path) -> list[tuple[int, object]]:
 
 def source_digest(path: Path | str) -> str:
     """sha256 of the input: the file's bytes, or every file of a dataset directory (names and bytes)."""
-    from draftline.util import file_sha256
-
     path = Path(path)
     if path.is_file():
         return file_sha256(path)
@@ -165,6 +164,7 @@ def load_conversations(path: Path | str, *, prompts: bool = False, skip_bad: boo
     ``--regenerate-endpoint``. A malformed record or a repeated id is a :class:`DataError` unless
     ``skip_bad`` (then skipped, or made unique, and counted in ``skipped``)."""
     path = Path(path)
+    skipped: list[tuple[int, str]]
     if path.is_dir():
         records, skipped = _records_from_dataset(path), []
     elif path.is_file():
@@ -174,7 +174,9 @@ def load_conversations(path: Path | str, *, prompts: bool = False, skip_bad: boo
                         "Hugging Face dataset directory (save_to_disk)")
     unit = "row" if path.is_dir() or path.suffix.lower() == ".parquet" else "line"
     bad = list(skipped)
-    samples, prompt_only, seen = [], 0, {}
+    samples: list[dict] = []
+    prompt_only = 0
+    seen: dict[str, int] = {}
     for where, rec in records:
         try:
             s = _normalise(rec)
@@ -215,8 +217,6 @@ def load_conversations(path: Path | str, *, prompts: bool = False, skip_bad: boo
 def select_categories(samples: list[dict], spec: str | None, source: Path | str) -> list[dict]:
     """The samples ``spec`` (see :func:`draftline.config.parse_categories`) selects; a name no sample has is a :class:`DataError`
     (a typo would otherwise select nothing, or drop nothing, silently)."""
-    from draftline.config import parse_categories
-
     keep, drop = parse_categories(spec)
     if not keep and not drop:
         return samples

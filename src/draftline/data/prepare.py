@@ -14,14 +14,28 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import mlflow
 import torch
+from huggingface_hub import snapshot_download
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
+from draftline import tracking
 from draftline.config import PrepareConfig, work_dir
-from draftline.console import say
+from draftline.console import bar_kwargs, say
 from draftline.data import shards
+from draftline.data.capture import iter_hidden_states
+from draftline.data.capture_vllm import iter_hidden_states_vllm, loopback_capture_server, probe_capture
+from draftline.data.conversations import is_prompt, load_conversations, select_categories, source_digest
+from draftline.data.regenerate import probe, regenerate, served_models
+from draftline.data.tokenize import tokenize_conversations
 from draftline.errors import DataError
+from draftline.registry import lineage
 from draftline.registry.lineage import verifier_identity
 from draftline.serving import hf_model
+from draftline.serving.client import redact
+from draftline.serving.engine import vllm_python
+from draftline.serving.vllm_support import require_served
 from draftline.util import interrupt_on_signals, same_command
 
 log = logging.getLogger(__name__)
@@ -37,7 +51,6 @@ def resolve_verifier(name_or_path: str) -> str:
     if p.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
         raise DataError(f"verifier {name_or_path} is not a directory: pass a local Hugging Face model directory "
                         "or a repo id already in the local cache")
-    from huggingface_hub import snapshot_download
 
     try:
         return snapshot_download(name_or_path, local_files_only=True,
@@ -69,8 +82,6 @@ def verifier_fingerprint(path: str) -> str:
 
 def prepare_key(cfg: PrepareConfig) -> str:
     """sha256 naming everything the shards depend on: the input's bytes, the verifier, the settings."""
-    from draftline.data.conversations import source_digest
-
     fields = cfg.model_dump(exclude={"name", "output_dir", "log_shards", "regenerate_concurrency",
                                      "capture_endpoint", "trust_remote_code"})
     fields.update(conversations=source_digest(cfg.conversations),
@@ -82,13 +93,6 @@ def prepare_key(cfg: PrepareConfig) -> str:
 def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key: str | None = None) -> dict:
     """Write shards, token frequencies and the manifest into ``out_dir``; returns the manifest. Finished
     shards already in ``out_dir`` for the same inputs and settings are kept and the capture resumes after them."""
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
-    from draftline.console import bar_kwargs
-    from draftline.data.conversations import is_prompt, load_conversations, select_categories
-    from draftline.data.tokenize import tokenize_conversations
-
     convs = load_conversations(cfg.conversations, prompts=bool(cfg.regenerate_endpoint),
                                skip_bad=cfg.skip_bad_records)
     for where, why in convs.skipped[:20]:
@@ -97,7 +101,7 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     samples = samples[: cfg.max_samples] if cfg.max_samples else samples
     categories = dict(sorted(Counter(s["category"] for s in samples if "category" in s).items()))
     prompts = sum(map(is_prompt, samples))
-    regenerated = _regenerate(cfg, samples, progress) if cfg.regenerate_endpoint else None
+    regenerated = _regenerate(cfg, cfg.regenerate_endpoint, samples, progress) if cfg.regenerate_endpoint else None
     if regenerated:
         samples = regenerated.pop("samples")
         regenerated["prompts"] = prompts  # samples that came without an assistant turn
@@ -176,8 +180,6 @@ def _hidden_state_stream(cfg: PrepareConfig, verifier_path: str, config, samples
     """Records from the verifier in this process (transformers), or from vLLM: the server ``--capture-endpoint``
     names, or a loopback one started here for the duration of the capture."""
     if cfg.capture_backend == "vllm":
-        from draftline.data.capture_vllm import iter_hidden_states_vllm, loopback_capture_server
-
         shape = dict(num_aux=len(aux), hidden_size=config.hidden_size, batch_size=cfg.batch_size)
         if cfg.capture_endpoint:
             yield from iter_hidden_states_vllm(samples, cfg.capture_endpoint, cfg.capture_model or cfg.verifier,
@@ -193,21 +195,18 @@ def _hidden_state_stream(cfg: PrepareConfig, verifier_path: str, config, samples
                 f"{server.startup_s:.0f} s, {server.spec.dtype})")
             yield from iter_hidden_states_vllm(samples, server.endpoint, server.model, server=server, **shape)
         return
-    from draftline.data.capture import iter_hidden_states
 
     verifier = hf_model.load_causal_lm(verifier_path, dtype=torch.float32)
     yield from iter_hidden_states(verifier, samples, aux, cfg.batch_size)
 
 
-def _regenerate(cfg: PrepareConfig, samples: list[dict], progress: bool) -> dict:
-    """The samples regenerated by the verifier behind ``cfg.regenerate_endpoint``, and what to record."""
-    from draftline.data.regenerate import regenerate
-    from draftline.serving.client import redact
-
-    r = regenerate(samples, cfg.regenerate_endpoint, model=cfg.regenerate_model,
+def _regenerate(cfg: PrepareConfig, endpoint: str, samples: list[dict], progress: bool) -> dict:
+    """The samples regenerated by the verifier behind ``endpoint`` (``cfg.regenerate_endpoint``), and what to
+    record."""
+    r = regenerate(samples, endpoint, model=cfg.regenerate_model,
                    max_tokens=cfg.regenerate_max_tokens, temperature=cfg.regenerate_temperature,
                    concurrency=cfg.regenerate_concurrency, progress=progress)
-    return {"samples": r.samples, "endpoint": redact(cfg.regenerate_endpoint), "model": r.model,
+    return {"samples": r.samples, "endpoint": redact(endpoint), "model": r.model,
             "max_tokens": cfg.regenerate_max_tokens, "temperature": cfg.regenerate_temperature,
             "file_sha256": r.file_sha256, "done": r.done, "reused": r.reused, "failed": r.failed}
 
@@ -239,23 +238,20 @@ def preflight(cfg: PrepareConfig) -> None:
     """Every check prepare can make before it opens a run or creates a folder: the input (encoding, format,
     records, ids, categories), the verifier's files, the aux layers, the capture backend and the regeneration
     endpoint. A mistake here leaves no run, no folder and no file."""
-    from draftline.data.conversations import load_conversations, select_categories
-
     convs = load_conversations(cfg.conversations, prompts=bool(cfg.regenerate_endpoint),
                                skip_bad=cfg.skip_bad_records)
     select_categories(convs.samples, cfg.categories, cfg.conversations)
     if cfg.trust_remote_code:
         hf_model.allow_custom_code(resolve_verifier(cfg.verifier))
     config = verifier_config(resolve_verifier(cfg.verifier))
-    resolve_aux_layers(cfg.aux_layers, config.num_hidden_layers)
-    if cfg.capture_backend == "vllm" and not cfg.capture_endpoint:
-        from draftline.serving.engine import vllm_python
-
-        vllm_python(required=True)  # the loopback capture server needs the vLLM venv
+    aux = resolve_aux_layers(cfg.aux_layers, config.num_hidden_layers)
+    if cfg.capture_backend == "vllm" and not cfg.capture_endpoint:  # the loopback capture server needs vLLM
+        require_served(resolve_verifier(cfg.verifier), vllm_python(required=True),
+                       fix="capture with --capture-backend transformers, or choose a verifier vLLM serves")
+    if cfg.capture_endpoint:
+        probe_capture(cfg.capture_endpoint, cfg.capture_model or cfg.verifier, num_aux=len(aux),
+                      hidden_size=config.hidden_size)
     if cfg.regenerate_endpoint:
-        from draftline.data.regenerate import probe, served_models
-        from draftline.serving.client import redact
-
         models = served_models(cfg.regenerate_endpoint)
         if cfg.regenerate_model and cfg.regenerate_model not in models:
             raise DataError(f"the regeneration endpoint {redact(cfg.regenerate_endpoint)} does not serve "
@@ -265,11 +261,6 @@ def preflight(cfg: PrepareConfig) -> None:
 
 def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
     """The prepare stage as one MLflow run. Returns ``{"run_id", "data_uri", "digest"}``."""
-    import mlflow
-
-    from draftline import tracking
-    from draftline.registry import lineage
-
     preflight(cfg)  # before the tracking store, the run and the folder exist
     tracking.setup()
     key = prepare_key(cfg)
@@ -312,8 +303,6 @@ def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
 def _unfinished_run(key: str) -> str | None:
     """The prepare run an interrupted prepare of the same inputs left behind (FAILED, or RUNNING after a
     kill -9; the directory lock proves nobody is still writing), so a rerun continues it."""
-    import mlflow
-
     if os.environ.get("MLFLOW_RUN_ID"):  # under `mlflow run`, the run is given
         return None
     runs = mlflow.search_runs(filter_string=f"tags.`draftline.prepare.key` = '{key}'", output_format="list",

@@ -10,8 +10,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import mlflow
+
 from draftline.config import work_dir
+from draftline.data.shards import MANIFEST
 from draftline.errors import DataError
+from draftline.tracking import download, parse_run_ref
 
 REMOTE_PREFIXES = ("runs:/", "models:/", "mlflow-artifacts:/")
 
@@ -24,9 +28,6 @@ def data_cache(ref: str) -> Path:
 def resolve_data(ref: str, dest: Path | None = None) -> Path:
     """A local prepared-data directory, or ``ref`` downloaded into ``dest`` (default :func:`data_cache`), once;
     concurrent callers each download into a scratch folder and the first to finish wins."""
-    from draftline.data.shards import MANIFEST
-    from draftline.tracking import download
-
     if not ref.startswith(REMOTE_PREFIXES):
         p = Path(ref).expanduser()
         if not p.is_dir():
@@ -53,9 +54,6 @@ def _require_finished(ref: str) -> None:
     """A ``runs:/`` reference to a prepare run that did not finish names that run and the fix."""
     if not ref.startswith("runs:/"):
         return
-    import mlflow
-
-    from draftline.tracking import parse_run_ref
 
     run_id = parse_run_ref(ref)[0]
     try:
@@ -72,7 +70,6 @@ def dataset_name(client, ref: str) -> str:
     a local directory's folder name."""
     if not ref.startswith("runs:/"):
         return Path(ref).name
-    from draftline.tracking import parse_run_ref
 
     with contextlib.suppress(Exception):
         return client.get_run(parse_run_ref(ref)[0]).inputs.dataset_inputs[0].dataset.name

@@ -19,16 +19,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import html
 import json
 import logging
 import os
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from tqdm.auto import tqdm
 
 from draftline.config import cache_root
+from draftline.console import bar_kwargs
 from draftline.errors import DataError
 from draftline.serving.client import API_KEY_ENVS, api_key, redact
 from draftline.util import atomic_write_text, exclusive, file_sha256
@@ -72,9 +76,6 @@ def _headers() -> dict[str, str]:
 
 def first_line(body: str) -> str:
     """A server's answer in one line: an HTML error page's title or first text, else the body's first line."""
-    import html
-    import re
-
     if "<" in body and re.search(r"<(html|head|body|title|h1|!doctype)", body, re.I):
         title = re.search(r"<title[^>]*>(.*?)</title>", body, re.I | re.S) or re.search(
             r"<h1[^>]*>(.*?)</h1>", body, re.I | re.S)
@@ -196,10 +197,6 @@ async def _replay(client: httpx.AsyncClient, messages: list[dict], settings: dic
 async def _run(samples: list[dict], todo: list[int], partial: Path, endpoint: str, settings: dict, *,
                concurrency: int, max_attempts: int, backoff_s: float, timeout_s: float, progress: bool,
                ) -> tuple[dict[int, dict], dict[int, str]]:
-    from tqdm.auto import tqdm
-
-    from draftline.console import bar_kwargs
-
     new: dict[int, dict] = {}
     failures: dict[int, str] = {}
     pending = iter(todo)

@@ -15,9 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from draftline.data.verify import verify_all
 from draftline.errors import DataError
 from draftline.util import atomic_write_text, file_sha256
+from draftline.util import exclusive as lock
 
 MANIFEST = "manifest.json"
 FREQS = "token_freqs.safetensors"
@@ -26,8 +30,6 @@ FORMAT_VERSION = 1
 
 def write_shard(path: Path, records: list[dict[str, torch.Tensor]]) -> dict:
     """Write one shard atomically (temp file + rename); returns its manifest entry."""
-    from safetensors.torch import save_file
-
     lengths = [int(r["input_ids"].numel()) for r in records]
     offsets = torch.zeros(len(records) + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
@@ -50,8 +52,6 @@ PROGRESS = "progress.json"
 
 def exclusive(out_dir: Path):
     """Hold ``out_dir/.lock``: one prepare writes a data directory at a time."""
-    from draftline.util import exclusive as lock
-
     return lock(out_dir / ".lock", busy=f"another prepare is writing {out_dir}; wait for it or choose another "
                                        "--output-dir")
 
@@ -85,7 +85,6 @@ class ShardWriter:
             raise DataError(f"{self.out_dir} holds data prepared with other inputs or settings (key "
                             f"{str(state.get('key'))[:12]}…, this run {self.key[:12]}…): choose another "
                             "--output-dir or delete that one")
-        from safetensors import safe_open
 
         for entry in state["shards"]:  # keep the finished shards that are intact; redo from the first that is not
             f = self.out_dir / entry["file"]
@@ -153,14 +152,10 @@ class PreparedData:
         return self.manifest["digest"]
 
     def token_freqs(self) -> torch.Tensor:
-        from safetensors.torch import load_file
-
         return load_file(str(self.root / FREQS))["freqs"]
 
     def sample_lengths(self) -> list[int]:
         """Every sample's token count, from the shards' offsets alone (no hidden state is read)."""
-        from safetensors import safe_open
-
         out: list[int] = []
         for entry in self.manifest["shards"]:
             path = (self.shard_root or self.root) / entry["file"]
@@ -174,8 +169,6 @@ class PreparedData:
 
     def records(self) -> list[dict[str, torch.Tensor]]:
         """Every sample as views into memory-mapped shards (nothing is copied until used)."""
-        from safetensors import safe_open
-
         out = []
         for entry in self.manifest["shards"]:
             path = (self.shard_root or self.root) / entry["file"]
@@ -219,7 +212,5 @@ def open_prepared(data_dir: Path, *, verify: bool = False) -> PreparedData:
         raise DataError(f"{data_dir / MANIFEST} does not match its own digest: it was edited; prepare again")
     data = PreparedData(data_dir, manifest, shard_root)
     if verify:
-        from draftline.data.verify import verify_all
-
         verify_all(data)
     return data

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from draftline.drafter.shape import MIDLAYER_PREFIX, SPECULATORS_PREFIX, key_remap
-from draftline.errors import CheckpointError
+from draftline.errors import CheckpointError, ParentMismatch
 
 # Keys a drafter shares with its verifier, or keeps only in memory: a parent may lack them or carry them;
 # they are never taken from the parent (reported and recorded as skipped).
@@ -88,8 +89,6 @@ def find_checkpoint(path: Path | str, *, allow_pickle: bool = False) -> Checkpoi
 
 def _iter_tensors(files: CheckpointFiles):
     """Yield ``(key, tensor_getter, shape, dtype_name)`` without materialising tensors."""
-    from safetensors import safe_open
-
     for f in files.weights:
         if files.pickled:
             state = torch.load(f, map_location="cpu", weights_only=True)
@@ -193,7 +192,7 @@ def match_keys(header: dict[str, tuple[tuple[int, ...], str]], shapes: dict[str,
         if missing not in {to_model_key(k, layout) for k in header}:
             problems.append(f"{missing}: missing from the parent")
     if problems:
-        raise CheckpointError(f"parent {root} does not fit the drafter ({len(problems)} problem"
+        raise ParentMismatch(f"parent {root} does not fit the drafter ({len(problems)} problem"
                               f"{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(problems)
                               + "\nChoose a parent made for this verifier and draft vocabulary (vocab=rebuild "
                               "for another vocabulary), or init=random")

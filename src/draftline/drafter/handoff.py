@@ -20,10 +20,18 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Literal, overload
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from draftline import tracking
+from draftline.config import work_dir
+from draftline.console import loud
+from draftline.drafter.checkpoints import VERIFIER_OWNED
+from draftline.drafter.model import LAYER_FILE
 from draftline.errors import CheckpointError
+from draftline.util import atomic_write_text
 
 BEST_TAG = "best"
 BEST_FILE = "best.json"
@@ -42,8 +50,6 @@ def read_best(ckpt_dir: Path) -> dict | None:
 
 
 def write_best(ckpt_dir: Path, best: dict) -> None:
-    from draftline.util import atomic_write_text
-
     atomic_write_text(Path(ckpt_dir) / BEST_FILE, json.dumps(best, indent=2) + "\n")
 
 
@@ -69,13 +75,12 @@ def selection(ckpt_dir: Path) -> dict:
 def consolidate(ckpt_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
     """DeepSpeed's own consolidation (any ZeRO stage, any rank count) of checkpoint ``tag`` (default: the
     newest)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: PLC0415 (deepspeed: slow, and prints an accelerator warning at import)
 
     if not (Path(ckpt_dir) / "latest").is_file() and tag is None:
         raise CheckpointError(f"{ckpt_dir} holds no DeepSpeed checkpoint (no 'latest' file)")
     if tag is not None and not (Path(ckpt_dir) / tag).is_dir():
         raise CheckpointError(f"{ckpt_dir} holds no DeepSpeed checkpoint {tag}")
-    from draftline.console import loud
 
     # DeepSpeed prints its progress to stdout and a bar to stderr: shown with -v only
     sink = sys.stderr if loud() else io.StringIO()
@@ -86,11 +91,6 @@ def consolidate(ckpt_dir: Path, tag: str | None = None) -> dict[str, torch.Tenso
 def write_weights(state: dict[str, torch.Tensor], out: Path, *, layer: dict | None, selected: dict) -> Path:
     """The drafter's own tensors (not the verifier's embeddings and head) as bf16 safetensors, with the layer
     config and what was selected."""
-    from safetensors.torch import save_file
-
-    from draftline.drafter.checkpoints import VERIFIER_OWNED
-    from draftline.drafter.model import LAYER_FILE
-
     out.mkdir(parents=True, exist_ok=True)
     kept = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
             for k, v in state.items() if k not in VERIFIER_OWNED}
@@ -121,16 +121,21 @@ def _wanted_step(tags: dict[str, str], which: str) -> int | None:
     return int(m.group(1))
 
 
+@overload
+def fetch_weights(run, which: str, dest: Path, *, load_state: Literal[True] = True
+                  ) -> tuple[Path, dict[str, torch.Tensor], int | None]: ...
+
+
+@overload
+def fetch_weights(run, which: str, dest: Path, *, load_state: bool
+                  ) -> tuple[Path, dict[str, torch.Tensor] | None, int | None]: ...
+
+
 def fetch_weights(run, which: str, dest: Path, *, load_state: bool = True
                   ) -> tuple[Path, dict[str, torch.Tensor] | None, int | None]:
     """The finetune ``run``'s drafter weights for ``which`` (best | last | step<N>):
     ``(directory with layer_config.json or None, state dict, step)``. With ``load_state=False`` the state is
     None where the run handed these weights on as a file (the directory then holds them, ready to read)."""
-    from safetensors.torch import load_file
-
-    from draftline import tracking
-    from draftline.config import work_dir
-
     tags = run.data.tags
     run_id = run.info.run_id
     logged_step = tags.get(f"{TAG_PREFIX}step")

@@ -8,18 +8,25 @@ finetune keeps) describes the weights the run handed on. ``bytes_downloaded`` sa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from mlflow import MlflowClient
+
+from draftline import tracking
 from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
+from draftline.drafter.handoff import WEIGHTS
 from draftline.drafter.shape import MIDLAYER_PREFIX, SPECULATORS_PREFIX, aux_layer_ids, key_remap
-from draftline.errors import CheckpointError
+from draftline.errors import CheckpointError, DataError
+from draftline.registry.remote_header import ArtifactDir
+from draftline.registry.transfer import CHECKSUMS, BlobCache
+from draftline.registry.versions import resolve_version
+from draftline.tracking import parse_run_ref, tracking_uri
 from draftline.util import files_digest
 
 
 def describe(target: str, *, allow_pickle: bool = False) -> dict:
     if target.startswith(("runs:/", "models:/")):
-        from draftline import tracking
-
         tracking.setup_read_only()
         return _remote(target)
     files = find_checkpoint(Path(target), allow_pickle=allow_pickle)
@@ -28,8 +35,6 @@ def describe(target: str, *, allow_pickle: bool = False) -> dict:
 
 
 def _local_config(root: Path, config: dict) -> dict:
-    import json
-
     meta = root / "training_metadata.json"
     if not config and meta.is_file():
         return _config_from_metadata(json.loads(meta.read_text()))
@@ -47,15 +52,8 @@ def _config_from_metadata(meta: dict) -> dict:
 
 
 def _remote(target: str) -> dict:
-    from mlflow import MlflowClient
-
-    from draftline.registry.remote_header import ArtifactDir
-    from draftline.registry.transfer import CHECKSUMS, BlobCache
-
     client = MlflowClient()
     if target.startswith("models:/"):
-        from draftline.registry.versions import resolve_version
-
         name, mv = resolve_version(client, target)
         where = ArtifactDir(client.get_model_version_download_uri(name, mv.version))
         checksums = where.read_json(CHECKSUMS)
@@ -70,9 +68,6 @@ def _remote(target: str) -> dict:
             else None
         return summarise(header, config, target, weights, sha, bytes_downloaded=where.downloaded,
                          version=f"models:/{name}/{mv.version}")
-    from draftline.drafter.handoff import WEIGHTS
-    from draftline.errors import DataError
-    from draftline.tracking import parse_run_ref, tracking_uri
 
     run_id, path = parse_run_ref(target)
     try:
@@ -107,8 +102,6 @@ def _remote(target: str) -> dict:
 
 
 def _blob_header(blob: Path) -> dict:
-    from draftline.registry.remote_header import ArtifactDir
-
     local = ArtifactDir(str(blob.parent.resolve()))
     return local.safetensors_header(blob.name)
 

@@ -6,6 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
+from draftline.drafter.checkpoints import find_checkpoint, load_into_model, read_tensors
+from draftline.drafter.model import build_draft_model
+from draftline.drafter.shape import aux_layer_ids as aux_of
+from draftline.drafter.shape import default_aux_layers, layer_config, require_aux_layers
+from draftline.errors import CheckpointError
+
 
 def load_drafter(verifier_dir: str | Path, drafter_dir: str | Path, *, aux_layer_ids: list[int] | None = None,
                  layer: dict | None = None, ttt_steps: int = 3, dtype=None, allow_pickle: bool = False,
@@ -17,14 +25,6 @@ def load_drafter(verifier_dir: str | Path, drafter_dir: str | Path, *, aux_layer
     the drafter's own, else EAGLE-3's default for the verifier. ``layer``: the decoder layer config when the
     directory does not say it (a finetune run's ``layer_config.json``). Raises
     :class:`~draftline.errors.CheckpointError` when the directory is no EAGLE-3 drafter for it."""
-    import torch
-
-    from draftline.drafter.checkpoints import find_checkpoint, load_into_model, read_tensors
-    from draftline.drafter.model import build_draft_model
-    from draftline.drafter.shape import aux_layer_ids as aux_of
-    from draftline.drafter.shape import default_aux_layers, layer_config, require_aux_layers
-    from draftline.errors import CheckpointError
-
     drafter_dir = Path(drafter_dir)
     name = name or str(drafter_dir)
     files = find_checkpoint(drafter_dir, allow_pickle=allow_pickle)

@@ -5,6 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from speculators.losses import resolve_loss_config
+from speculators.models.eagle3 import Eagle3DraftModel, shift_batch
+from tqdm.auto import trange
+from transformers import AutoConfig
+
+from draftline.console import bar_kwargs
+from draftline.drafter.batches import batch_plan, batches
+from draftline.drafter.shape import VERIFIER_ONLY_KEYS, layer_config
+from draftline.drafter.walk import walk_sums
+from draftline.serving.hf_model import is_trusted, load_config
 
 DEFAULT_DTYPE = torch.bfloat16
 
@@ -19,17 +29,11 @@ def build_draft_model(verifier_name_or_path: str, *, d2t: torch.Tensor, t2d: tor
     ``layer`` is the decoder layer config (:func:`draftline.drafter.shape.layer_config`; default: the verifier's own, with one layer).
     ``sdpa``/``eager`` attention train on the CPU, where speculators' default flex attention does not.
     """
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from transformers import AutoConfig
-
-    from draftline.drafter.shape import VERIFIER_ONLY_KEYS, layer_config
-    from draftline.serving.hf_model import is_trusted, load_config
-
     # a hand-off written before layer_config dropped them may still carry the verifier's quantization
     layer = {k: v for k, v in (layer or layer_config(verifier_name_or_path)).items() if k not in VERIFIER_ONLY_KEYS}
     layer_cfg = AutoConfig.for_model(layer.pop("model_type"), **layer)
     load_config(verifier_name_or_path)  # a trusted custom config class, registered for speculators' own reads
-    model = Eagle3DraftModel.from_training_args(
+    model: torch.nn.Module = Eagle3DraftModel.from_training_args(
         verifier_config=layer_cfg,
         t2d=t2d,
         d2t=d2t,
@@ -59,8 +63,6 @@ def pack(records: Sequence[dict[str, torch.Tensor]], device: torch.device | str 
     is the token at *t+2*, the one vLLM's proposer drafts); positions start at 1, as speculators sets them.
     Captured data stays unshifted on disk; this is the one place the shift happens.
     """
-    from speculators.models.eagle3 import shift_batch
-
     shifted = [shift_batch({**r, "lengths": torch.tensor([r["input_ids"].numel()]),
                             "position_ids": torch.arange(r["input_ids"].numel())}) for r in records]
     cat = lambda key: torch.cat([s[key] for s in shifted]).unsqueeze(0).to(device)  # noqa: E731
@@ -76,8 +78,6 @@ def pack(records: Sequence[dict[str, torch.Tensor]], device: torch.device | str 
 
 
 def loss_config():
-    from speculators.losses import resolve_loss_config
-
     # The eager KL loss: speculators' fused loss does not train on the CPU.
     return resolve_loss_config("kl_div", "eager")
 
@@ -90,8 +90,6 @@ def forward(model, batch: dict[str, torch.Tensor], ttt_steps: int, loss_cfg=None
     drafts, loss, metrics = model(**batch, ttt_steps=ttt_steps, ttt_step_loss_decay=ttt_loss_decay,
                                   loss_config=loss_cfg or loss_config())
     if walk:
-        from draftline.drafter.walk import walk_sums
-
         metrics = {**metrics, **walk_sums(drafts, batch, model.d2t, ttt_steps)}
     return loss, metrics
 
@@ -143,11 +141,6 @@ def metric_sums(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps:
     ``rank`` takes every ``world``-th chunk, and every rank runs the same number of forwards (ZeRO-3 gathers
     parameters collectively); a rank's surplus forward, on chunk 0, is not counted. :func:`summarise` the
     (all-reduced) sums."""
-    from tqdm.auto import trange
-
-    from draftline.console import bar_kwargs
-    from draftline.drafter.batches import batch_plan
-
     model.eval()
     lengths = [int(r["input_ids"].numel()) for r in records]
     chunks = sorted(batch_plan(lengths, tokens_per_batch, seed=0, epoch=0))
@@ -169,11 +162,6 @@ def train_steps_in_process(model, records: Sequence[dict[str, torch.Tensor]], *,
                            progress: bool = False, callback=None, callback_every: int = 0) -> dict[str, float]:
     """A bare PyTorch AdamW loop (one process, no DeepSpeed): the tiny parent's trainer and the benchmark floor.
     ``callback(step)`` runs every ``callback_every`` steps (evaluation in benchmarks)."""
-    from tqdm.auto import trange
-
-    from draftline.console import bar_kwargs
-    from draftline.drafter.batches import batches
-
     params = trainable_parameters(model)
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     cfg = loss_config()

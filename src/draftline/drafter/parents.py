@@ -29,11 +29,14 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from mlflow import MlflowClient
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from draftline.config import project_root, shipped
 from draftline.console import say
 from draftline.errors import ConfigError, ParentNotFound
+from draftline.registry.transfer import BlobCache, fetch_directory
+from draftline.registry.versions import resolve_version
 
 # What a parent is read from. Everything else in the repo stays there: SpecForge's `training_state.pt` (optimizer
 # state, a pickle) is as big as the weights and draftline never loads a pickle (*.pt, *.bin, *.pth, *.pkl).
@@ -163,12 +166,7 @@ def _download(init: str, repo_id: str, revision: str, *, catalog_entry: bool) ->
 
 
 def _from_registry(uri: str, cache: Path) -> Parent:
-    from mlflow import MlflowClient
-
-    from draftline.registry.versions import resolve_version
-
     name, version = resolve_version(MlflowClient(), uri)
-    from draftline.registry.transfer import BlobCache, fetch_directory
 
     dest = cache / "registry" / name / str(version.version)
     client = MlflowClient()

@@ -11,7 +11,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftline.errors import ConfigError
+from speculators import SpeculatorModelConfig
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.models.eagle3 import Eagle3SpeculatorConfig
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+from transformers import AutoConfig, LlamaConfig
+
+from draftline.errors import ConfigError, DataError
+from draftline.serving import hf_model
 
 SUPPORTED_LAYERS = ("llama", "qwen3")  # the decoder layers speculators' Eagle3DraftModel can build
 LLAMA_LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -39,8 +46,6 @@ def key_remap(layout: str) -> str:
 def require_aux_layers(drafter: str, reads: list[int] | None, data: list[int]) -> None:
     """The one check that data captured from the verifier's layers ``data`` feeds a drafter that reads
     ``reads`` (``None``: the drafter records none and takes the data's)."""
-    from draftline.errors import DataError
-
     if reads and list(reads) != list(data):
         raise DataError(f"the data has aux layers {list(data)} but {drafter} reads {list(reads)}: prepare the data "
                         f"with --aux-layers {','.join(map(str, reads))}")
@@ -67,8 +72,6 @@ def layer_config(verifier_name_or_path: str, parent_config: dict | None = None) 
     parent says what it is (AQ-MedAI's config.json is a ``LlamaForCausalLMEagle3`` layer), else one derived
     from the verifier's sizes (heads of ``v_head_dim``, the verifier's dense MLP width).
     """
-    from draftline.serving import hf_model
-
     verifier = hf_model.load_text_config(verifier_name_or_path)
     if verifier.model_type in SUPPORTED_LAYERS:
         out = decoder_layer_fields(verifier)
@@ -118,10 +121,6 @@ def speculator_config(layer_config, *, draft_vocab_size: int, aux_layer_ids: lis
                       norm_before_residual: bool = False):
     """An ``Eagle3SpeculatorConfig`` around a transformer layer config (as ``from_training_args`` builds it,
     without reading the verifier)."""
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-
     return Eagle3SpeculatorConfig(
         transformer_layer_config=layer_config, draft_vocab_size=draft_vocab_size,
         norm_before_residual=norm_before_residual,
@@ -135,8 +134,6 @@ def speculator_config(layer_config, *, draft_vocab_size: int, aux_layer_ids: lis
 def llama_drafter_config(fields: dict[str, Any], *, draft_vocab_size: int, aux_layer_ids: list[int] | None,
                          norm_before_residual: bool = False):
     """One Llama layer from flat config fields (SpecForge's config.json, or :data:`KIMI_K2`)."""
-    from transformers import LlamaConfig
-
     keys = (*LLAMA_LAYER_KEYS, "vocab_size")
     layer = LlamaConfig(**{k: v for k, v in fields.items() if k in keys and v is not None}, num_hidden_layers=1)
     return speculator_config(layer, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
@@ -152,10 +149,6 @@ def default_config():
 def verifier_config(verifier: str, *, draft_vocab_size: int, aux_layer_ids: list[int], layer: dict | None = None):
     """The drafter finetune trains: the decoder layer of :func:`layer_config` (the verifier's own for
     Llama/Qwen3 verifiers, else a Llama layer) around the verifier (config.json only)."""
-    from transformers import AutoConfig
-
-    from draftline.serving import hf_model
-
     vc = hf_model.load_config(verifier)
     fields = {k: v for k, v in (layer or layer_config(verifier)).items() if k not in VERIFIER_ONLY_KEYS}
     layer_cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -181,7 +174,6 @@ def load_config(source: str | Path | dict[str, Any]):
         if raw["speculators_model_type"] != "eagle3":
             raise ConfigError(f"{where}: speculators_model_type={raw['speculators_model_type']!r}; the plan "
                               "covers EAGLE-3 drafters only")
-        from speculators import SpeculatorModelConfig
 
         return SpeculatorModelConfig.from_dict(raw)
     if raw.get("draft_vocab_size") and raw.get("hidden_size"):  # SpecForge / AQ-MedAI

@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+from speculators.utils.loading import load_model_layers
+
+from draftline.errors import DataError
 
 
 def build_vocab(freqs: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d2t, t2d)`` from a [target_vocab] tensor of token counts."""
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-
     counts = {int(i): int(c) for i, c in enumerate(freqs.tolist()) if c > 0}
     return build_vocab_mappings_from_distribution(counts, draft_vocab_size, int(freqs.numel()))
 
@@ -59,10 +61,6 @@ def verifier_head(verifier: str) -> torch.Tensor:
     """The verifier's output head, [target_vocab, hidden]: ``lm_head.weight``, or, for a verifier that ties its
     embeddings (SmolLM2, Llama-3.2, Qwen2.5-small, Gemma: no ``lm_head.weight`` in the checkpoint), the input
     embeddings it is tied to. Raises :class:`DataError` when neither is there."""
-    from speculators.utils.loading import load_model_layers
-
-    from draftline.errors import DataError
-
     def load(name: str) -> torch.Tensor | None:
         try:
             return load_model_layers([name], verifier).get(name)

@@ -29,6 +29,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache, GenerationConfig
+
+from draftline.console import bar_kwargs
+from draftline.evaluation.proposer import Eagle3Proposer, truncate
+from draftline.registry.confidence import prompt_key
+
 
 @dataclass
 class ChainResult:
@@ -128,10 +136,7 @@ def speculative_generate(verifier, proposer, prompt: list[int], *, k: int, max_n
     The verifier keeps a ``DynamicCache`` (cropped after each rejection); its hidden states ``out.hidden_states[i]``
     (the input of decoder layer i, as prepare captures them) feed the proposer.
     """
-    import torch
-    from transformers import DynamicCache
 
-    from draftline.evaluation.proposer import truncate
 
     if k < 1:
         raise ValueError(f"num_speculative_tokens must be at least 1 (got {k})")
@@ -187,9 +192,6 @@ def speculative_generate(verifier, proposer, prompt: list[int], *, k: int, max_n
 
 def _reference(verifier, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
     """The verifier's own greedy output (``generate(do_sample=False)``), stopping at ``eos`` or the length."""
-    import torch
-    from transformers import GenerationConfig
-
     # An explicit config: no eos means none (not the model's default), no other processor interferes.
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
                               eos_token_id=sorted(eos) or None, pad_token_id=verifier.config.pad_token_id or 0,
@@ -220,10 +222,6 @@ def measure_chain(verifier, drafter, prompts: list[list[int]], *, k: int, max_ne
                   eos_token_ids: Iterable[int] = frozenset(), progress: bool = False) -> ChainResult:
     """Decode every prompt by greedy chain speculative decoding (``num_speculative_tokens = k``) and check each
     output against the verifier's own greedy output. ``seconds`` covers the speculative decoding only."""
-    from tqdm.auto import tqdm
-
-    from draftline.console import bar_kwargs
-    from draftline.evaluation.proposer import Eagle3Proposer
 
     eos = set(eos_token_ids)
     proposer = Eagle3Proposer(drafter)
@@ -251,8 +249,6 @@ def measure_chain(verifier, drafter, prompts: list[list[int]], *, k: int, max_ne
 
 def prompt_row(prompt: list[int], drafts: int, accepted: int, accepted_per_pos: list[int], generated: int) -> dict:
     """One prompt's evidence (``per_prompt.jsonl``): what later comparisons pair prompt by prompt."""
-    from draftline.registry.confidence import prompt_key
-
     return {"key": prompt_key(prompt), "drafts": drafts, "accepted": accepted,
             "accepted_per_pos": list(accepted_per_pos), "generated": generated}
 

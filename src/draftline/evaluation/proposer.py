@@ -24,6 +24,7 @@ so the two agree up to rounding.
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -50,8 +51,6 @@ class Eagle3Proposer:
         self.reset()
 
     def reset(self) -> None:
-        from transformers import DynamicCache
-
         self.cache = DynamicCache()
         self.verified = 0  # step-0 positions in the cache (verified pairs so far)
 

@@ -18,13 +18,27 @@ import sys
 import tempfile
 from pathlib import Path
 
+import mlflow
 import torch
+from transformers import GenerationConfig
 
+from draftline import tracking
 from draftline.config import EvaluateConfig, work_dir
 from draftline.console import say
+from draftline.data.refs import dataset_name, resolve_data
+from draftline.data.regenerate import served_models
+from draftline.data.shards import open_prepared
 from draftline.errors import DataError, UsageError
-from draftline.registry import evidence
+from draftline.evaluation.chain import measure_chain, recommend_num_speculative_tokens
+from draftline.evaluation.loopback import measure_loopback
+from draftline.evaluation.targets import load_drafter, resolve_target
+from draftline.evaluation.teacher_forced import greedy_replies, measure, prompts_of, served_replies
+from draftline.evaluation.vllm_backend import measure_vllm
+from draftline.registry import evidence, lineage
+from draftline.registry.confidence import PER_PROMPT_FILE, acceptance_interval, carry_per_prompt
 from draftline.serving import hf_model
+from draftline.serving.engine import cannot_draft_beside, vllm_python
+from draftline.serving.vllm_support import ArchitectureNotServed, require_served
 from draftline.util import interrupt_on_signals, same_command
 
 log = logging.getLogger(__name__)
@@ -48,8 +62,6 @@ def _predicted(cfg: EvaluateConfig, drafter, records, manifest: dict, measured: 
     """vLLM's walk over the drafter's own teacher-forced drafts on the very replies the measurement asked for:
     what serving should report. Far from the measured figure on the verifier's greedy replies, serving is not
     running the model that was trained; that is said, and logged."""
-    from draftline.evaluation.teacher_forced import greedy_replies, measure, served_replies
-
     served = served_replies(records, cfg.max_prompts, cfg.max_new_tokens)
     if not served:
         return {}
@@ -71,21 +83,25 @@ def backend_of(cfg: EvaluateConfig, verifier_dir: str) -> str:
         return "vllm-endpoint"
     if cfg.backend == "transformers":
         return "transformers"
-    from draftline.serving.engine import cannot_draft_beside, vllm_python
-
     reason = cannot_draft_beside(verifier_dir)
     if reason and cfg.backend == "vllm":
         raise UsageError(f"--backend vllm cannot measure here: {reason}; pass --backend transformers (or auto)")
+    python = vllm_python(required=cfg.backend == "vllm")
+    if python is not None and not reason:
+        try:
+            require_served(verifier_dir, python, fix="pass --backend transformers (or auto)")
+        except ArchitectureNotServed as e:
+            if cfg.backend == "vllm":
+                raise
+            reason = str(e).split(":")[0]
     if reason:
         say(f"measuring in this process: {reason}")
         return "transformers"
-    return "vllm" if vllm_python(required=cfg.backend == "vllm") else "transformers"
+    return "vllm" if python else "transformers"
 
 
 def _in_process(cfg: EvaluateConfig, drafter, verifier_dir: str, prompts, progress: bool):
-    from transformers import GenerationConfig
 
-    from draftline.evaluation.chain import measure_chain
 
     say(f"measuring {len(prompts)} prompts x {cfg.max_new_tokens} tokens by speculative decoding in this process, "
         f"k={cfg.num_speculative_tokens} ...")
@@ -98,19 +114,15 @@ def _in_process(cfg: EvaluateConfig, drafter, verifier_dir: str, prompts, progre
 
 def _measure(cfg: EvaluateConfig, backend: str, drafter, verifier_dir: str, records, progress: bool):
     """Measured acceptance: ``(ChainResult, prompts used, in-process cross-check or None)``."""
-    from draftline.evaluation.teacher_forced import prompts_of
-
     prompts = prompts_of(records)[: cfg.max_prompts]
     if not prompts:
         raise DataError("the evaluation set has no sample with a prompt before its first assistant token")
     if backend == "vllm-endpoint":
-        from draftline.evaluation.vllm_backend import measure_vllm
-
-        return measure_vllm(cfg.vllm_endpoint, cfg.vllm_model, prompts, max_new_tokens=cfg.max_new_tokens,
+        assert cfg.vllm_endpoint is not None  # backend_of chose it for the endpoint
+        model = cfg.vllm_model or served_models(cfg.vllm_endpoint)[0]  # the server's first, as --help says
+        return measure_vllm(cfg.vllm_endpoint, model, prompts, max_new_tokens=cfg.max_new_tokens,
                             concurrency=cfg.concurrency, progress=progress), len(prompts), None
     if backend == "vllm":
-        from draftline.evaluation.loopback import measure_loopback
-
         served = measure_loopback(drafter, verifier_dir, prompts, k=cfg.num_speculative_tokens,
                                   max_new_tokens=cfg.max_new_tokens, concurrency=cfg.concurrency,
                                   progress=progress)
@@ -150,15 +162,6 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
 
 
 def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
-    import mlflow
-
-    from draftline import tracking
-    from draftline.data.refs import dataset_name, resolve_data
-    from draftline.data.shards import open_prepared
-    from draftline.evaluation.chain import recommend_num_speculative_tokens
-    from draftline.evaluation.targets import load_drafter, resolve_target
-    from draftline.evaluation.teacher_forced import measure
-    from draftline.registry import lineage
 
     progress = sys.stderr.isatty() if progress is None else progress
     tracking.setup()
@@ -180,7 +183,7 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     metrics = {f"eval/teacher_forced/{k}": v for k, v in tf.items() if not k.startswith("loss")}
     chain, n_prompts, cross = (_measure(cfg, backend, drafter, verifier_dir, records, progress) if cfg.measured
                                else (None, 0, None))
-    if cross is not None:  # the in-process chain beside vLLM's figure, on the same prompts
+    if cross is not None and chain is not None:  # the in-process chain beside vLLM's figure, same prompts
         metrics.update({f"eval/inprocess/{k}": v for k, v in cross.metrics().items()})
         metrics["eval/inprocess/acceptance_length_difference"] = chain.acceptance_length - cross.acceptance_length
     interval = None
@@ -189,8 +192,6 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
         metrics.update({f"eval/measured/{k}": v for k, v in chain.metrics().items()})
         metrics["eval/measured/prompts"] = float(n_prompts)
         if chain.per_prompt:
-            from draftline.registry.confidence import acceptance_interval
-
             interval = acceptance_interval(chain.per_prompt, level=cfg.confidence)
             metrics.update({"eval/measured/acceptance_length_low": interval.low,
                             "eval/measured/acceptance_length_high": interval.high,
@@ -228,7 +229,6 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
             (Path(tmp) / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
             mlflow.log_artifact(str(Path(tmp) / RESULT_FILE))
             if chain is not None and chain.per_prompt:  # what a later comparison pairs prompt by prompt
-                from draftline.registry.confidence import PER_PROMPT_FILE
 
                 (Path(tmp) / PER_PROMPT_FILE).write_text("".join(json.dumps(r) + "\n" for r in chain.per_prompt))
                 mlflow.log_artifact(str(Path(tmp) / PER_PROMPT_FILE))
@@ -254,8 +254,6 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
 def evaluations_for(client, finetune_run_id: str, step: int | None) -> list[dict]:
     """The evaluations of finetune run ``finetune_run_id`` at checkpoint ``step``: the newest per evaluation set,
     newest first (what export carries onto the version it registers)."""
-    import mlflow
-
     filt = f"tags.`{TARGET_RUN_TAG}` = '{finetune_run_id}' and attributes.status = 'FINISHED'"
     if step is not None:
         filt += f" and tags.`{TARGET_STEP_TAG}` = '{step}'"
@@ -276,10 +274,6 @@ def evaluations_for(client, finetune_run_id: str, step: int | None) -> list[dict
 
 def attach(found: list[dict], model_id: str) -> None:
     """Log ``found`` evaluations onto LoggedModel ``model_id``, each linked to its evaluation set."""
-    import mlflow
-
-    from draftline.registry import lineage
-    from draftline.registry.confidence import carry_per_prompt
 
     for result in found:
         d = result["data"]

@@ -11,8 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from mlflow import MlflowClient
 
+from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
+from draftline.drafter.handoff import fetch_weights, write_weights
+from draftline.drafter.loading import load_drafter as load
+from draftline.drafter.model import LAYER_FILE
+from draftline.drafter.parents import resolve_init
 from draftline.errors import DataError
+from draftline.registry import lineage
+from draftline.tracking import parse_run_ref
+from draftline.util import files_digest
 
 
 @dataclass
@@ -31,8 +40,6 @@ class Target:
 
 def _finetune_run(client, ref: str):
     """The finetune run ``ref`` names (``runs:/<id>[/...]`` or a bare run id), or None when it names none."""
-    from draftline.tracking import parse_run_ref
-
     if ref.startswith("runs:/"):
         run_id = parse_run_ref(ref)[0]
     elif re.fullmatch(r"[0-9a-f]{32}", ref):
@@ -51,14 +58,6 @@ def _finetune_run(client, ref: str):
 
 def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str) -> Target:
     """Find ``ref`` on local disk (downloading from MLflow where it lives there)."""
-    from mlflow import MlflowClient
-
-    from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
-    from draftline.drafter.handoff import fetch_weights, write_weights
-    from draftline.drafter.model import LAYER_FILE
-    from draftline.drafter.parents import resolve_init
-    from draftline.registry import lineage
-    from draftline.util import files_digest
 
     client = MlflowClient()
     run = _finetune_run(client, ref.strip())
@@ -80,6 +79,7 @@ def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str
     parent = resolve_init(ref, cache=cache)
     if parent.is_random:
         raise DataError("target random is not a drafter: pass a finetune run, a models:/ URI or a parent")
+    assert parent.path is not None  # resolve_init gives every parent but random a local directory
     files = find_checkpoint(parent.path)
     layout = detect_layout(read_header(files))
     sha = files_digest(files.weights)
@@ -93,7 +93,5 @@ def load_drafter(target: Target, verifier: str, aux_layer_ids: list[int], *, ttt
                  dtype: torch.dtype = torch.float32):
     """Build the drafter for ``verifier`` and copy ``target``'s weights in (strict keys and shapes), the same
     path finetune loads a parent by."""
-    from draftline.drafter.loading import load_drafter as load
-
     return load(verifier, target.path, aux_layer_ids=aux_layer_ids, layer=target.layer, ttt_steps=ttt_steps,
                 dtype=dtype, name=target.name)

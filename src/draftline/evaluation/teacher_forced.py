@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
+from draftline.drafter.model import metric_sums, summarise
+
 
 def measure(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps: int, tokens_per_batch: int = 4096,
             progress: bool = False) -> dict[str, float]:
-    from draftline.drafter.model import metric_sums, summarise
-
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
     return summarise(metric_sums(model, records, ttt_steps=ttt_steps, tokens_per_batch=tokens_per_batch,
                                  dtype=dtype, progress=progress), ttt_steps)

@@ -12,8 +12,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from tqdm import tqdm
 
-from draftline.evaluation.chain import ChainResult, first_mismatch
+from draftline.console import bar_kwargs
+from draftline.evaluation.chain import ChainResult, first_mismatch, prompt_row
 from draftline.serving.client import TOP_LOGPROBS, auth_headers, complete_with_stats, read_counters, settled_counters
 
 
@@ -24,9 +26,7 @@ def generate_all(endpoint: str, model: str, prompts: list[list[int]], *, max_new
     """Greedy completions of every prompt, ``concurrency`` in flight: ``(outputs in prompt order, seconds)``;
     each request's spec-decode statistics (or None) are appended to ``stats`` in prompt order, and with
     ``tops``, each output's per-token top-2 choices and log-probabilities (:func:`complete_with_stats`)."""
-    from tqdm import tqdm
 
-    from draftline.console import bar_kwargs
 
     headers = auth_headers()
     start, tokens = time.perf_counter(), [0]
@@ -79,8 +79,6 @@ def measure_vllm(endpoint: str, model: str, prompts: list[list[int]], *, max_new
 def per_prompt_rows(prompts, outputs, stats, k: int) -> list[dict]:
     """Per-prompt evidence from vLLM's per-request statistics (its acceptance histogram: steps that accepted j
     drafts); empty where the server reports none (``--per-request-spec-decode-metrics`` not set)."""
-    from draftline.evaluation.chain import prompt_row
-
     if not stats or any(s is None for s in stats):
         return []
     rows = []

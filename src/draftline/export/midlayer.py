@@ -9,8 +9,20 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig
 
+from draftline.drafter.checkpoints import (
+    _iter_tensors,
+    detect_layout,
+    find_checkpoint,
+    match_keys,
+    read_header,
+    to_midlayer_layout,
+)
+from draftline.drafter.shape import aux_layer_ids, layer_config, rope_theta, specforge_config
 from draftline.errors import CheckpointError
+from draftline.train.preflight import drafter_shapes
 
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "rms_norm_eps", "hidden_act")
@@ -19,12 +31,6 @@ LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_
 def check_reload(model, out: Path, verifier: str) -> dict[str, int]:
     """Raise :class:`CheckpointError` unless ``out`` loads back as a parent with ``model``'s exact weights.
     ``verifier``: where the verifier's config lies on this host. Returns ``{"tensors": n}``."""
-    from transformers import AutoConfig
-
-    from draftline.drafter.checkpoints import _iter_tensors, detect_layout, find_checkpoint, match_keys, read_header
-    from draftline.drafter.shape import aux_layer_ids, layer_config, rope_theta
-    from draftline.train.preflight import drafter_shapes
-
     files = find_checkpoint(out)
     header = read_header(files)
     if detect_layout(header) != "midlayer":
@@ -60,11 +66,6 @@ def check_reload(model, out: Path, verifier: str) -> dict[str, int]:
 
 
 def write_midlayer(model, out: Path, params: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    from draftline.drafter.checkpoints import to_midlayer_layout
-    from draftline.drafter.shape import specforge_config
-
     out.mkdir(parents=True, exist_ok=True)
     state = to_midlayer_layout({k: v.detach().contiguous() for k, v in model.state_dict().items()})
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -6,14 +6,13 @@ import json
 
 import torch
 
+from draftline.drafter.checkpoints import VERIFIER_OWNED
+from draftline.drafter.model import build_draft_model
 from draftline.errors import CheckpointError
 
 
 def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], layer: dict | None = None):
     """A fresh drafter for the run's verifier, decoder layer and vocabulary, with the consolidated weights."""
-    from draftline.drafter.checkpoints import VERIFIER_OWNED
-    from draftline.drafter.model import build_draft_model
-
     aux = json.loads(params["verifier.aux_layers"])
     model = build_draft_model(local_verifier(params), d2t=state["d2t"], t2d=state["t2d"],
                               aux_layer_ids=aux, draft_vocab_size=int(state["d2t"].numel()),

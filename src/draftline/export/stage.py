@@ -11,27 +11,31 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import mlflow
+from mlflow import MlflowClient
+
+from draftline import tracking
 from draftline.config import ExportConfig
+from draftline.drafter.handoff import fetch_weights
+from draftline.drafter.model import LAYER_FILE
 from draftline.errors import DataError, DraftlineError
+from draftline.evaluation.stage import attach, evaluations_for
 from draftline.export.directory import serving_id, write_drafter
-from draftline.export.midlayer import write_midlayer
+from draftline.export.midlayer import check_reload, write_midlayer
 from draftline.export.rebuild import build_trained_model, local_verifier
 from draftline.export.room import in_store, in_tmp
 from draftline.export.upload import upload_with_checksums
 from draftline.export.validate import check_in_vllm, validate
+from draftline.registry import lineage as lin
+from draftline.registry import versions
+from draftline.registry.evidence import RECOMMENDED_K
+from draftline.registry.policies import policy_set
 from draftline.serving import hf_model
+from draftline.util import manifest_digest
 
 
 def run(cfg: ExportConfig) -> dict[str, str]:
     """The export stage as one MLflow run. Returns ``{"run_id", "model_uri", "version"}``."""
-    import mlflow
-    from mlflow import MlflowClient
-
-    from draftline import tracking
-    from draftline.registry import lineage as lin
-    from draftline.registry import versions
-    from draftline.util import manifest_digest
-
     tracking.setup()
     client = MlflowClient()
     ft_id = tracking.parse_run_ref(cfg.run)[0]
@@ -48,10 +52,8 @@ def run(cfg: ExportConfig) -> dict[str, str]:
 
     with tracking.stage_run("export", run_name="export",
                             tags={"draftline.finetune.run_id": ft_id, **lin.vllm_tags()}) as active, \
-            tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp:
-        tmp = Path(tmp)
-        from draftline.drafter.handoff import fetch_weights
-        from draftline.drafter.model import LAYER_FILE
+            tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp_dir:
+        tmp = Path(tmp_dir)
 
         with in_tmp(tmp):
             where, state, step = fetch_weights(ft, cfg.checkpoint, tmp / "weights")
@@ -65,10 +67,8 @@ def run(cfg: ExportConfig) -> dict[str, str]:
         lineage["verifier.name_or_path"] = serving_id(cfg, params)
         model.config.speculators_config.verifier.name_or_path = lineage["verifier.name_or_path"]
         lineage.update({"finetune.run_id": ft_id, "ttt_steps": params.get("ttt_steps", "3")})
-        from draftline.evaluation.stage import attach, evaluations_for
 
         evaluated = evaluations_for(client, ft_id, step)
-        from draftline.registry.policies import policy_set
 
         found = recommended_k(evaluated, policy_set())
         k = found[0] if found else None
@@ -100,9 +100,7 @@ def run(cfg: ExportConfig) -> dict[str, str]:
             if cfg.layout == "midlayer":
                 with in_tmp(tmp / "midlayer"):
                     write_midlayer(model, tmp / "midlayer", params)
-                from draftline.export.midlayer import check_reload  # init=<that dir> gives these weights
-
-                check_reload(model, tmp / "midlayer", local_verifier(params))
+                check_reload(model, tmp / "midlayer", local_verifier(params))  # init=<that dir> gives these weights
                 with in_store(f"{active.info.artifact_uri}/midlayer"):
                     mlflow.log_artifacts(str(tmp / "midlayer"), artifact_path="midlayer")
             last = int(params.get("train.steps", 0))
@@ -135,8 +133,6 @@ def recommended_k(evaluated: list[dict], preferred_set: str | None = None) -> tu
     """``(num_speculative_tokens, the evaluation set it came from)``: from the measured evaluation on
     ``preferred_set`` (the set the Production policy judges by: a name or a digest prefix) when there is one,
     else from the newest measured evaluation."""
-    from draftline.registry.evidence import RECOMMENDED_K
-
     measured = [r for r in evaluated if RECOMMENDED_K in r["metrics"]]
     on_set = [r for r in measured if preferred_set and (r["data"]["name"] == preferred_set or (
         len(preferred_set) >= 8 and r["data"]["digest"].startswith(preferred_set)))]

@@ -5,25 +5,23 @@ from __future__ import annotations
 
 import json
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from mlflow import MlflowClient
+
 from draftline.registry.transfer import CHECKSUMS  # one name for the manifest, in exports and pulls
+from draftline.util import file_manifest
 
 
 def sha256_manifest(directory: Path) -> dict[str, str]:
     """``checksums.json`` of an export directory: every file but itself."""
-    from draftline.util import file_manifest
-
     return file_manifest(p for p in directory.iterdir() if p.is_file() and p.name != CHECKSUMS)
 
 
 def upload_with_checksums(out: Path, model_id: str) -> dict[str, str]:
     """Upload ``out`` as the LoggedModel's artifacts, then its ``checksums.json``; the digests are computed on
     a second thread while MLflow uploads the files (both read them from the page cache)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from mlflow import MlflowClient
-
     client = MlflowClient()
     with ThreadPoolExecutor(1, thread_name_prefix="draftline-sha256") as pool:
         digests = pool.submit(sha256_manifest, out)

@@ -6,17 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
+from draftline.console import say
+from draftline.drafter.model import pack
 from draftline.errors import CheckpointError
+from draftline.serving.checks import check_serves
+from draftline.serving.engine import EngineError, VerifierRefused, cannot_draft_beside, vllm_python
+from draftline.serving.vllm_support import ArchitectureNotServed, require_served
 
 
 def validate(model, out: Path, seed: int = 0, verifier_path: str | None = None) -> None:
     """Reload ``out`` with speculators and require identical weights and identical outputs on a batch.
     ``verifier_path``: where the verifier lies on this host (the config names it by its serving id)."""
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-
-    from draftline.drafter.model import pack
-
     config = Eagle3SpeculatorConfig.from_pretrained(str(out))
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (not saved; flex needs a GPU)
     if verifier_path:  # speculators loads the verifier's embeddings and head by this name
@@ -44,18 +46,20 @@ def validate(model, out: Path, seed: int = 0, verifier_path: str | None = None) 
 def check_in_vllm(mode: str, out: Path, verifier_dir: str, k: int) -> str:
     """Load the export in real vLLM beside the verifier and draft with it (``mode`` auto|on|off); what happened,
     in words, for the ``export.vllm_check`` tag. A refusal by vLLM raises, naming vLLM's own error."""
-    from draftline.console import say
-    from draftline.serving.engine import vllm_python
-
     if mode == "off":
         return "off"
     python = vllm_python(required=mode == "on")
     if python is None:
         return "skipped: no vLLM venv (./setup.sh --vllm)"
-    from draftline.serving.checks import check_serves
-    from draftline.serving.engine import EngineError, VerifierRefused, cannot_draft_beside
 
+    if mode == "on":
+        require_served(verifier_dir, python, fix="export where vLLM serves it, or pass --vllm-check auto (it "
+                       "records the check as skipped)")
     reason = cannot_draft_beside(verifier_dir)
+    try:
+        require_served(verifier_dir, python, fix="")
+    except ArchitectureNotServed as e:
+        reason = str(e).split(":")[0]
     if reason and mode == "on":
         raise CheckpointError(f"--vllm-check on cannot run here: {reason}; export on such a host, or pass "
                               "--vllm-check auto (it records the check as skipped)")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from draftline.errors import RegistryError
 from draftline.registry.lineage import HEADLINE_METRICS
+from draftline.registry.versions import resolve_version
 
 
 def walk(client, uri: str, max_depth: int = 64) -> list[dict]:
     """Generations from ``uri`` back to the root: registered versions, then the external parent (or random)."""
-    from draftline.registry.versions import resolve_version
-
     chain: list[dict] = []
     seen: set[tuple] = set()
     name, mv = resolve_version(client, uri)

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
 
 PER_PROMPT_FILE = "per_prompt.jsonl"
 DEFAULT_RESAMPLES = 2000
@@ -54,8 +59,6 @@ def _quantiles(values: list[float], level: float) -> tuple[float, float]:
 def acceptance_interval(rows: list[dict], *, level: float = 0.95, resamples: int = DEFAULT_RESAMPLES,
                         seed: int = 0) -> Interval:
     """Acceptance length of ``rows`` (per-prompt ``drafts``/``accepted``) with its percentile bootstrap interval."""
-    import random
-
     drafts, accepted = [r["drafts"] for r in rows], [r["accepted"] for r in rows]
     n = len(rows)
     value = _ratio(drafts, accepted, range(n))
@@ -71,8 +74,6 @@ def paired_difference(ours: list[dict], theirs: list[dict], *, level: float = 0.
                       resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> Interval | None:
     """Acceptance length of ``ours`` minus ``theirs`` on the prompts both measured (matched by ``key``), with the
     paired bootstrap interval; None when they share no prompt."""
-    import random
-
     by_key = {r["key"]: r for r in theirs}
     pairs = [(r, by_key[r["key"]]) for r in ours if r["key"] in by_key]
     if not pairs:
@@ -100,11 +101,6 @@ def carried_path(digest: str) -> str:
 def carry_per_prompt(evaluation_run_id: str, digest: str) -> None:
     """Copy an evaluation run's per-prompt evidence into the active run (export carries evaluations onto the
     version's LoggedModel, whose metrics then name the export run)."""
-    import tempfile
-    from pathlib import Path
-
-    import mlflow
-
     with tempfile.TemporaryDirectory() as tmp:
         try:
             path = mlflow.MlflowClient().download_artifacts(evaluation_run_id, PER_PROMPT_FILE, tmp)
@@ -116,9 +112,6 @@ def carry_per_prompt(evaluation_run_id: str, digest: str) -> None:
 def read_per_prompt(client, run_id: str, digest: str | None = None) -> list[dict] | None:
     """The per-prompt evidence of run ``run_id`` (an evaluation, or an export carrying one for ``digest``);
     None when there is none (an older evaluation)."""
-    import tempfile
-    from pathlib import Path
-
     for name in (PER_PROMPT_FILE, carried_path(digest) if digest else None):
         if name is None:
             continue

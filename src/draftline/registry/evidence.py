@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftline.errors import RegistryError
+from draftline.registry.confidence import read_per_prompt
+from draftline.registry.versions import model_id_of, resolve_version
 
 MEASURED = "eval/measured/acceptance_length"
 TEACHER_FORCED = "eval/teacher_forced/acceptance_length"
@@ -100,8 +102,6 @@ def on_digest(evaluations: list[Evaluation], digest: str) -> Evaluation | None:
 
 def _parent_evaluations(client, mv) -> tuple[list[Evaluation] | None, str]:
     """The parent's evaluations (``None`` for a random init) and the ``--target`` that evaluates it."""
-    from draftline.registry.versions import model_id_of, resolve_version
-
     source = mv.tags.get("parent.source", "none")
     if source in ("", "none"):
         return None, ""
@@ -124,12 +124,8 @@ def _parent_evaluations(client, mv) -> tuple[list[Evaluation] | None, str]:
 def evidence_for(client, name: str, mv, current, data: str):
     """What a policy with an evaluation rule compares: the evaluations of ``mv``, of ``current`` (the version
     in Production, or None) and of ``mv``'s parent, with the command that evaluates each."""
-    from draftline.registry.versions import model_id_of
-
     def hint(target: str) -> str:
         return f"run `draftline evaluate --target {target} --data <the {data} set: runs:/<prepare run>/data>`"
-
-    from draftline.registry.confidence import read_per_prompt
 
     def with_evidence(evaluations: list[Evaluation]) -> list[Evaluation]:
         for ev in evaluations or []:  # the per-prompt evidence of the policy's set, for paired comparisons

@@ -7,10 +7,11 @@ import os
 import platform
 import re
 import subprocess
+import warnings
 from importlib import metadata
 from pathlib import Path
 
-from draftline.config import VLLM_ARGS_ENV
+from draftline.config import VLLM_ARGS_ENV, project_root
 
 LINEAGE_FILE = "lineage.json"
 METADATA_FILE = "training_metadata.json"
@@ -40,8 +41,6 @@ def versions() -> dict[str, str]:
 
 
 def git_commit(root: Path | None = None) -> str:
-    from draftline.config import project_root
-
     root = root or project_root()
     if root is None:  # an installed wheel: its version is recorded instead
         return "unknown"
@@ -159,15 +158,15 @@ def write_json(path: Path, obj: dict) -> Path:
 def data_set(manifest: dict, name: str = "prepared"):
     """The prepared data as an MLflow data set: what prepare logs as its output and finetune as its input
     (same source, same digest, so the UI links them)."""
-    import warnings
-
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
-    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.dataset_source_registry import resolve_dataset_source  # noqa: PLC0415 (CLI start-up: serving.verifiers imports lineage; mlflow stays lazy)
+    from mlflow.data.meta_dataset import MetaDataset  # noqa: PLC0415 (CLI start-up: serving.verifiers imports lineage; mlflow stays lazy)
 
     with warnings.catch_warnings():  # two registered local-path sources both match: MLflow warns, picks one
         warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
         source = resolve_dataset_source(manifest["source"])
-    return MetaDataset(source=source, name=name, digest=manifest["digest"][:36])
+    # mlflow's typing marks Dataset.profile abstract; MetaDataset, its class for a data set known by its metadata
+    # alone, does not define it, and Dataset is no ABC at run time: it is instantiated as MLflow's docs show
+    return MetaDataset(source=source, name=name, digest=manifest["digest"][:36])  # type: ignore[abstract]
 
 
 def data_set_tags(manifest: dict) -> dict[str, str]:
@@ -186,7 +185,7 @@ def parent_model_id(client, parent, *, sha256: str, layout: str, experiment_id: 
     if parent.is_random:
         return None
     if parent.model_version:
-        from draftline.registry.versions import model_id_of
+        from draftline.registry.versions import model_id_of  # noqa: PLC0415 (CLI start-up: versions imports mlflow)
 
         name, _, version = parent.model_version.removeprefix("models:/").rpartition("/")
         return model_id_of(client.get_model_version(name, version))
@@ -194,7 +193,7 @@ def parent_model_id(client, parent, *, sha256: str, layout: str, experiment_id: 
                                         max_results=1).to_list()
     if found:
         return found[0].model_id
-    import mlflow
+    import mlflow  # noqa: PLC0415 (CLI start-up: serving.verifiers imports lineage; mlflow stays lazy)
 
     model = mlflow.create_external_model(
         name=logged_model_name(parent.name), experiment_id=experiment_id, model_type="eagle3-drafter",
@@ -205,8 +204,8 @@ def parent_model_id(client, parent, *, sha256: str, layout: str, experiment_id: 
 
 def record_inputs(run_id: str, *, manifest: dict, data_name: str, parent_model: str | None) -> None:
     """The finetune run's inputs: the data set it trained on and the parent model it started from."""
-    from mlflow import MlflowClient
-    from mlflow.entities import DatasetInput, InputTag, LoggedModelInput
+    from mlflow import MlflowClient  # noqa: PLC0415 (CLI start-up: serving.verifiers imports lineage; mlflow stays lazy)
+    from mlflow.entities import DatasetInput, InputTag, LoggedModelInput  # noqa: PLC0415 (CLI start-up: serving.verifiers imports lineage; mlflow stays lazy)
 
     entity = data_set(manifest, data_name)._to_mlflow_entity()  # noqa: SLF001 (what mlflow.log_input does)
     tags = [InputTag("mlflow.data.context", "training"), *(InputTag(k, v) for k, v in data_set_tags(manifest).items())]

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import difflib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
+from draftline.config import shipped
 from draftline.errors import ConfigError
-from draftline.registry.evidence import Evidence
+from draftline.registry.confidence import paired_difference
+from draftline.registry.evidence import HEADLINE, LOSSLESS, MEASURED, PROMPTS, Evidence, on_digest, on_set
 
 
 class Comparison(BaseModel):
@@ -63,10 +68,6 @@ POLICIES_ENV = "DRAFTLINE_REGISTRY_POLICIES"  # a folder of <stage>.yaml kept by
 
 
 def policy_path(stage: str) -> Path:
-    import os
-
-    from draftline.config import shipped
-
     folder = os.environ.get(POLICIES_ENV)
     return Path(folder) / f"{stage.lower()}.yaml" if folder else shipped("registry_policies", f"{stage.lower()}.yaml")
 
@@ -101,10 +102,8 @@ def load_policy(path: Path | str) -> Policy:
         raise ConfigError(f"policy file {path} is invalid: {detail}") from None
 
 
-def _explain(error: dict) -> str:
+def _explain(error: ErrorDetails) -> str:
     """One pydantic error in words; an unknown key says which known key it was probably meant to be."""
-    import difflib
-
     loc = ".".join(map(str, error["loc"]))
     if error.get("type") == "extra_forbidden":
         model: type[BaseModel] = Policy
@@ -147,7 +146,7 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None, evidence: Evidenc
         out.extend(result)
     for key, floor in policy.min_metrics.items():
         if key.startswith("eval/"):
-            v = ev.value(key, prefer_measured=policy.evaluation.prefer_measured) if ev else None
+            v = ev.value(key, prefer_measured=policy.evaluation.prefer_measured) if ev and policy.evaluation else None
             out.append(RuleResult(f"{key} >= {floor}", v is not None and v >= floor,
                                   (f"{key}={v:.4f} ({ev.summary()})" if v is not None else f"{key} not measured")
                                   if ev else "no evaluation on the policy's set"))
@@ -182,16 +181,12 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None, evidence: Evidenc
 
 def _evaluated(rule: EvaluationRule, evidence: Evidence):
     """The version's evaluation on the policy's set, and the rules about it."""
-    from draftline.registry.evidence import LOSSLESS, MEASURED, on_set
-
     ev = on_set(evidence.version, rule.data)
     if ev is None:
         return None, [RuleResult(f"evaluated on {rule.data}", False,
                                  f"no evaluation on {rule.data}: {evidence.version_hint}")]
     out = [RuleResult(f"evaluated on {rule.data}", True, f"{ev.name} {ev.digest[:12]}: {ev.summary()}")]
     if rule.min_prompts is not None and MEASURED in ev.metrics:  # teacher-forced only: no prompts decoded
-        from draftline.registry.evidence import PROMPTS
-
         n = ev.metrics.get(PROMPTS)
         ok = n is not None and n >= rule.min_prompts
         out.append(RuleResult(f"measured on >= {rule.min_prompts} prompts", ok,
@@ -208,16 +203,14 @@ def _evaluated(rule: EvaluationRule, evidence: Evidence):
 def _compare_evaluations(policy: Policy, cmp_: Comparison, label: str, ev, evidence: Evidence, other) -> RuleResult:
     """``cmp_.metric`` of the version vs ``label`` (current Production or parent) on the same evaluation set;
     measured against measured, else teacher-forced against teacher-forced; never across data sets."""
-    from draftline.registry.evidence import HEADLINE, on_digest, on_set
-
     rule = f"{cmp_.metric} not worse than {label}" + (f" - {cmp_.margin}" if cmp_.margin else "")
     theirs_all = evidence.parent if label == "parent" else evidence.current
     hint = evidence.parent_hint if label == "parent" else evidence.current_hint
-    if label == "parent" and theirs_all is None:
+    if theirs_all is None:  # only the parent's can be missing: a random init
         return RuleResult(rule, True, "random init: no parent to compare with")
     if label != "parent" and other is None:
         return RuleResult(rule, True, f"no {label} version: nothing to compare")
-    if ev is None:
+    if ev is None or policy.evaluation is None:  # ev is found by the policy's evaluation rule
         return RuleResult(rule, False, "the version has no evaluation on the policy's set")
     theirs = on_digest(theirs_all, ev.digest)
     if theirs is None:
@@ -235,24 +228,23 @@ def _compare_evaluations(policy: Policy, cmp_: Comparison, label: str, ev, evide
     kind = ("measured" if prefer else "teacher-forced") if cmp_.metric == HEADLINE else cmp_.metric
     detail = f"{kind} {v:.4f} vs {label} {w:.4f} ({v - w:+.4f}); version {ev.summary()}; {label} {theirs.summary()}"
     if cmp_.confidence is not None and cmp_.metric == HEADLINE and prefer:
-        return _compare_paired(cmp_, label, rule, ev, theirs, hint, f"{kind} {v:.4f} vs {label} {w:.4f} "
-                               f"({v - w:+.4f})")
+        return _compare_paired(cmp_, cmp_.confidence, label, rule, ev, theirs, hint,
+                               f"{kind} {v:.4f} vs {label} {w:.4f} ({v - w:+.4f})")
     if cmp_.confidence is not None:  # teacher-forced on one side at least: no per-prompt decoding to pair
         detail += "; teacher-forced, so the point estimates (the paired form needs both sides measured)"
     return RuleResult(rule, v >= w - cmp_.margin, detail)
 
 
-def _compare_paired(cmp_: Comparison, label: str, rule: str, ev, theirs, hint: str, point: str) -> RuleResult:
+def _compare_paired(cmp_: Comparison, confidence: float, label: str, rule: str, ev, theirs, hint: str,
+                    point: str) -> RuleResult:
     """The paired form: the difference prompt by prompt on the prompts both sides measured, with its bootstrap
     interval; the rule holds when the interval's lower bound is >= -margin."""
-    from draftline.registry.confidence import paired_difference
-
-    rule = f"{rule} at {cmp_.confidence:.0%} (paired)"
+    rule = f"{rule} at {confidence:.0%} (paired)"
     for who, e, fix in (("the version", ev, "rerun its evaluation"), (f"the {label}", theirs, hint)):
         if not e.per_prompt:
             return RuleResult(rule, False, f"{who} has no per-prompt evidence on {ev.name} (evaluated before "
                               f"draftline kept it): {fix}")
-    diff = paired_difference(ev.per_prompt, theirs.per_prompt, level=cmp_.confidence)
+    diff = paired_difference(ev.per_prompt, theirs.per_prompt, level=confidence)
     if diff is None:
         return RuleResult(rule, False, f"the version and the {label} share no prompt on {ev.name}: evaluate both "
                           "with the same --max-prompts")

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from draftline.console import say
 from draftline.errors import DraftlineError, RegistryError
+from draftline.registry.evidence import evidence_for
+from draftline.registry.policies import evaluate, load_policy, policy_path
 from draftline.registry.retry import retrying, unavailable
 from draftline.registry.versions import (
     ALIASES,
@@ -207,8 +209,6 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
     """Evaluate the stage's policy; on pass point the stage's alias at ``version`` and move the stage with it
     (archiving the previous holder). Returns ``{"results", "version", "stage", "changed", "message"}``;
     raises :class:`RegistryError` when a rule fails (nothing changes)."""
-    from draftline.registry.policies import evaluate, load_policy, policy_path
-
     stage = stage.capitalize()
     if stage not in ALIASES:
         raise RegistryError(f"stage {stage} is not Staging or Production")
@@ -227,8 +227,6 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
         current = _get_version(client, name, truth["Production"]) if truth["Production"] else None
         evidence = None
         if policy.evaluation is not None:
-            from draftline.registry.evidence import evidence_for
-
             evidence = evidence_for(client, name, mv, current, policy.evaluation.data)
         results = evaluate(policy, mv, current=current, parent=_parent_version(client, mv), evidence=evidence)
         if any(not r.passed for r in results):
@@ -277,8 +275,6 @@ def rollback(client, name: str, *, to: str | None = None, reason: str, policy_fi
     """Production goes back to the version it held before (or ``to``). The integrity rules of the Production
     policy still apply (lineage tags, pairing, export validated, minimum metrics); "not worse than the current
     Production" does not: that is what a rollback overrides. Recorded as version tags (who, when, why, from)."""
-    from draftline.registry.policies import evaluate, load_policy, policy_path
-
     if not reason.strip():
         raise RegistryError("a rollback needs a reason: pass --reason TEXT (it is recorded on the version)")
     policy_file = Path(policy_file) if policy_file else policy_path("Production")

@@ -15,13 +15,16 @@ import struct
 import tempfile
 from pathlib import Path
 
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
+from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
+from mlflow.utils.rest_utils import augmented_raise_for_status, http_request
+
 from draftline.errors import CheckpointError
 
 
 class ArtifactDir:
     def __init__(self, uri: str):
-        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
-
         self.uri = uri.rstrip("/")
         self.repo = get_artifact_repository(self.uri)
         self.downloaded = 0
@@ -32,15 +35,12 @@ class ArtifactDir:
 
     def read(self, name: str, length: int | None = None, offset: int = 0) -> bytes:
         """``length`` bytes of ``name`` from ``offset`` (all of it from ``offset`` when None)."""
-        from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
-        from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
-
         if isinstance(self.repo, LocalArtifactRepository):
             with open(os.path.join(self.repo.artifact_dir, name), "rb") as f:
                 f.seek(offset)
                 data = f.read() if length is None else f.read(length)
         elif isinstance(self.repo, HttpArtifactRepository):
-            data, arrived = self._http_read(name, length, offset)
+            data, arrived = self._http_read(self.repo, name, length, offset)
             self.downloaded += arrived
             return data
         else:
@@ -53,11 +53,9 @@ class ArtifactDir:
         self.downloaded += len(data)
         return data
 
-    def _http_read(self, name: str, length: int | None, offset: int) -> tuple[bytes, int]:
-        from mlflow.utils.rest_utils import augmented_raise_for_status, http_request
-
+    def _http_read(self, repo: HttpArtifactRepository, name: str, length: int | None, offset: int) -> tuple[bytes, int]:
         headers = {"Range": f"bytes={offset}-" + ("" if length is None else str(offset + length - 1))}
-        resp = http_request(self.repo._host_creds, posixpath.join("/", name), "GET", stream=True,  # noqa: SLF001
+        resp = http_request(repo._host_creds, posixpath.join("/", name), "GET", stream=True,  # noqa: SLF001
                             extra_headers=headers)
         try:
             augmented_raise_for_status(resp)

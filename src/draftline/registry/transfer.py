@@ -34,6 +34,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
+import mlflow
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+from tqdm.auto import tqdm
+
 from draftline.config import cache_root
 from draftline.console import bar_kwargs, say
 from draftline.errors import DraftlineError, VerificationError
@@ -109,8 +113,6 @@ def download_verified(repo, name: str, digest: str, into: Path, on_bytes=None) -
 
 def artifact_repository(base_uri: str):
     """MLflow's artifact repository for ``base_uri`` (any store MLflow supports)."""
-    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
-
     return get_artifact_repository(base_uri)
 
 
@@ -314,7 +316,6 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
                 assert cache is not None  # a blob comes only from a cache
                 stats["cached_bytes"] += blob.stat().st_size
                 _place(blob, staging / name, digest, cache)
-        from tqdm.auto import tqdm
 
         with ThreadPoolExecutor(4, thread_name_prefix="draftline-pull") as pool, \
                 tqdm(desc="pull (sha256 while downloading)", unit="B", unit_scale=True, **bar_kwargs(progress and bool(todo)),
@@ -328,8 +329,6 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
 
 
 def _read_manifest(base_uri: str, staging: Path) -> dict:
-    import mlflow
-
     try:
         listed = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{base_uri}/{CHECKSUMS}",
                                                           dst_path=str(staging)))

@@ -19,9 +19,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlflow
+from mlflow.utils.validation import MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
+
 from draftline.console import say
 from draftline.errors import RegistryError, VerificationError
 from draftline.registry.retry import retrying, unavailable
+from draftline.registry.transfer import BlobCache, fetch_directory
 
 log = logging.getLogger(__name__)
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/@]+)|@(?P<alias>[^/@]+))/?$")
@@ -168,8 +172,6 @@ def stage_splits(client, name: str, *, aliases: dict, versions) -> list[StageSpl
 
 
 def registry_uri() -> str:
-    import mlflow
-
     return mlflow.get_registry_uri()
 
 
@@ -266,8 +268,6 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     LoggedModel's artifact location, and one GET per file not in the cache. The file list and digests come
     from the version's ``export.checksums`` tag, checked against ``export.sha256``; older versions, without
     the tag, read ``checksums.json`` from the store."""
-    from draftline.registry.transfer import BlobCache, fetch_directory
-
     chosen = [x for x in (stage, alias, version) if x]
     if len(chosen) != 1:
         raise RegistryError("pass exactly one of --stage, --alias or --version")
@@ -313,8 +313,6 @@ def _files_of(client, name: str, mv) -> str:
 
 def checksums_tag(manifest: dict[str, str]) -> dict[str, str]:
     """The ``export.checksums`` tag for a version (nothing when the manifest is too long for a tag)."""
-    from mlflow.utils.validation import MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
-
     value = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
     return {CHECKSUMS_TAG: value} if len(value) <= MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH else {}
 

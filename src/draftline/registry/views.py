@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from draftline.console import say
 from draftline.errors import RegistryError
+from draftline.registry.evidence import HIGH_LOW, MEASURED, PROMPTS, evaluations_of, on_set
 from draftline.registry.lineage import HEADLINE_METRICS, VERSION_TAG_PARAMS
+from draftline.registry.policies import policy_set
 from draftline.registry.versions import (
     LOCK_SUFFIX,
     mlflow_error,
@@ -42,9 +44,6 @@ def list_models(client) -> list[dict]:
 
 def measured_on_policy_set(client, mv) -> str | None:
     """``measured 1.59 [1.48, 1.70] on 32`` for ``mv`` on the Production policy's evaluation set, if evaluated."""
-    from draftline.registry.evidence import HIGH_LOW, MEASURED, PROMPTS, evaluations_of, on_set
-    from draftline.registry.policies import policy_set
-
     wanted = policy_set()
     if not wanted:
         return None

@@ -6,6 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import httpx
+
+from draftline.serving.client import complete, read_counters, settled_counters
 from draftline.serving.engine import EngineError, ServeSpec, VerifierRefused, VllmServer
 
 PROBE_PROMPTS = ("Hello! Who are you?", "Write one sentence about the sea.", "What is 12 times 7?")
@@ -16,9 +19,7 @@ def check_serves(drafter_dir: Path | str, verifier_dir: Path | str, *, k: int = 
     """Serve ``verifier_dir`` with the EAGLE-3 drafter ``drafter_dir`` (float32, loopback), complete a few
     prompts (``ignore_eos``, so every step drafts) and require vLLM's spec-decode counters to have moved.
     Raises :class:`EngineError` with vLLM's own error when it refuses the drafter."""
-    import httpx
 
-    from draftline.serving.client import complete, read_counters, settled_counters
 
     spec = ServeSpec(model=str(verifier_dir), served_name="verifier", drafter=str(drafter_dir), k=k,
                      max_model_len=512)

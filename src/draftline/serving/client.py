@@ -10,8 +10,10 @@ nothing else runs on that server meanwhile.
 
 from __future__ import annotations
 
+import os
 import re
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -23,8 +25,6 @@ API_KEY_ENVS = ("DRAFTLINE_REGENERATE_API_KEY", "OPENAI_API_KEY")
 
 def redact(url: str) -> str:
     """The URL without user info or query (where credentials hide)."""
-    from urllib.parse import urlsplit, urlunsplit
-
     parts = urlsplit(url)
     return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
@@ -32,8 +32,6 @@ def redact(url: str) -> str:
 def api_key() -> str | None:
     """An OpenAI-compatible endpoint's key, from the environment only (never from a flag, so it reaches no
     param or log)."""
-    import os
-
     return next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None)
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 _SAMPLE = re.compile(r'^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)')
@@ -44,6 +42,7 @@ def parse_counters(text: str, model: str | None = None) -> dict[str, float | dic
     """The spec-decode counters in a Prometheus text exposition, summed over engines (series of other
     ``model_name`` values left out); ``num_accepted_tokens_per_pos`` by position."""
     out: dict[str, float | dict[int, float]] = {}
+    per: dict[int, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if not m or not m["name"].startswith(PREFIX) or not m["name"].endswith("_total"):
@@ -56,11 +55,12 @@ def parse_counters(text: str, model: str | None = None) -> dict[str, float | dic
             continue
         value = float(m["value"])
         if name == "num_accepted_tokens_per_pos":
-            per = out.setdefault(name, {})
             pos = int(labels.get("position", 0))
             per[pos] = per.get(pos, 0.0) + value
+            out[name] = per
         else:
-            out[name] = out.get(name, 0.0) + value
+            total = out.get(name, 0.0)
+            out[name] = (total if isinstance(total, float) else 0.0) + value
     return out
 
 

@@ -27,9 +27,10 @@ from pathlib import Path
 import httpx
 import torch
 
-from draftline.config import VLLM_ARGS_ENV
+from draftline.config import VLLM_ARGS_ENV, project_root
 from draftline.errors import ConfigError, DraftlineError
 from draftline.serving import hf_model
+from draftline.util import free_port
 
 PYTHON_ENV = "DRAFTLINE_VLLM_PYTHON"
 ARGS_ENV = VLLM_ARGS_ENV
@@ -63,7 +64,6 @@ def vllm_python(required: bool = False) -> Path | None:
             raise ConfigError(f"{PYTHON_ENV}={value} is not a python executable: point it at the python of a "
                               f"venv with vllm installed, or {SETUP_HINT}")
         return python
-    from draftline.config import project_root
 
     root = project_root()
     venv = (root / ".venv-vllm") if root else None
@@ -144,7 +144,7 @@ class ServeSpec:
 
     def argv(self, python: Path, port: int) -> list[str]:
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-               "--served-model-name", self.served_name, "--dtype", self.dtype, "--host", "127.0.0.1",
+               "--served-model-name", self.served_name, "--dtype", str(self.dtype), "--host", "127.0.0.1",
                "--port", str(port), "--max-model-len", str(self.max_model_len), "--disable-uvicorn-access-log"]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
@@ -182,7 +182,9 @@ class VllmServer:
     def __init__(self, spec: ServeSpec, *, python: Path | None = None, log_path: Path | None = None,
                  startup_timeout_s: float = 900.0, env: dict[str, str] | None = None):
         self.spec = spec
-        self.python = python or vllm_python(required=True)
+        found = python or vllm_python(required=True)
+        assert found is not None  # required=True raises instead of returning None
+        self.python: Path = found
         self.startup_timeout_s = startup_timeout_s
         self._own_log = log_path is None
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="draftline-vllm-",
@@ -213,8 +215,6 @@ class VllmServer:
         return env
 
     def start(self) -> VllmServer:
-        from draftline.util import free_port
-
         self.port = free_port()
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
@@ -231,6 +231,7 @@ class VllmServer:
 
     def _wait_ready(self, t0: float) -> None:
         url = f"http://127.0.0.1:{self.port}/health"
+        assert self.proc is not None  # start() set it
         while True:
             if self.proc.poll() is not None:
                 raise EngineError(f"vLLM exited (code {self.proc.returncode}) while loading {self.spec.model}"

@@ -10,13 +10,13 @@ import hashlib
 import os
 from pathlib import Path
 
+from huggingface_hub import constants
+
 from draftline.errors import UsageError
 
 
 def hub_cache() -> Path:
     """The Hugging Face hub cache this process (and vLLM, with the same environment) reads."""
-    from huggingface_hub import constants
-
     return Path(constants.HF_HUB_CACHE)
 
 

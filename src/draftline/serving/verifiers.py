@@ -49,7 +49,7 @@ CATALOG = {
 
 def verifiers_dir() -> Path:
     """Where catalog verifiers are built: ``$DRAFTLINE_CACHE_DIR/verifiers`` (default ~/.cache/draftline)."""
-    from draftline.config import cache_root
+    from draftline.config import cache_root  # noqa: PLC0415 (the CLI reads CATALOG at start-up)
 
     return cache_root() / "verifiers"
 
@@ -57,7 +57,7 @@ def verifiers_dir() -> Path:
 def package_gguf(entry: CatalogVerifier) -> tuple[Path, str, str | None]:
     """``(GGUF path, installed version, sha256 its wheel's RECORD gives)``; raises :class:`DataError` with the
     install command when the package or the file is missing."""
-    from importlib import metadata
+    from importlib import metadata  # noqa: PLC0415 (the CLI reads CATALOG at start-up)
 
     try:
         dist = metadata.distribution(entry.package)
@@ -66,11 +66,11 @@ def package_gguf(entry: CatalogVerifier) -> tuple[Path, str, str | None]:
                         f"installed: {INSTALL_HINT}") from None
     for f in dist.files or ():
         if f.name == entry.gguf_file:
-            path = Path(dist.locate_file(f))
+            path = Path(str(dist.locate_file(f)))
             if path.is_file():
                 recorded = None
                 if f.hash and f.hash.mode == "sha256":  # RECORD: urlsafe base64, unpadded
-                    import base64
+                    import base64  # noqa: PLC0415 (the CLI reads CATALOG at start-up)
 
                     recorded = base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4)).hex()
                 return path, dist.version, recorded
@@ -79,7 +79,7 @@ def package_gguf(entry: CatalogVerifier) -> tuple[Path, str, str | None]:
 
 
 def _check_loaders() -> None:
-    import importlib.util
+    import importlib.util  # noqa: PLC0415 (the CLI reads CATALOG at start-up)
 
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
@@ -89,7 +89,7 @@ def _check_loaders() -> None:
 def make_verifier(name: str, out: Path | None = None, *, progress: bool = True) -> dict:
     """Build catalog verifier ``name`` into ``out`` (default ``verifiers_dir()/<name>-<sha256[:12]>``) unless
     it is already there; returns its path and identity, and whether it was reused."""
-    from draftline.util import file_sha256
+    from draftline.util import file_sha256  # noqa: PLC0415 (the CLI reads CATALOG at start-up)
 
     if name not in CATALOG:
         raise UsageError(f"no catalog verifier {name!r}; known: {', '.join(sorted(CATALOG))}")
@@ -143,7 +143,7 @@ def make_verifier(name: str, out: Path | None = None, *, progress: bool = True) 
 def _in_hf_cache(target: Path, serving_id: str) -> str:
     """Register the built directory in the local Hugging Face cache under its serving id, so that on this host
     ``vllm serve <pulled drafter dir>`` (which loads the verifier by that id) works with HF_HUB_OFFLINE=1."""
-    from draftline.serving.hf_cache import register
+    from draftline.serving.hf_cache import register  # noqa: PLC0415 (the CLI reads CATALOG at start-up)
 
     return str(register(target, serving_id))
 
@@ -157,11 +157,11 @@ def _built(target: Path, sha: str) -> bool:
 
 def _write_hf_dir(gguf: Path, out: Path, serving_id: str, *, progress: bool) -> None:
     """Dequantise ``gguf`` and save it as a plain Hugging Face directory (bf16) into ``out``."""
-    import copy
+    import copy  # noqa: PLC0415 (the CLI reads CATALOG at start-up)
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    import torch  # noqa: PLC0415 (the CLI reads CATALOG at start-up)
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (the CLI reads CATALOG at start-up)
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415 (the CLI reads CATALOG at start-up)
 
     if not progress:
         hf_logging.disable_progress_bar()

@@ -19,6 +19,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mlflow
+
+from draftline.registry.promotion import holders, promote, rollback
+from draftline.registry.transfer import CHECKSUMS
+from draftline.registry.versions import checksums_tag
+from draftline.util import file_sha256, manifest_digest
+
 TAGS = {"init": "tiny", "parent.source": "draftline/tiny-parent", "parent.sha256": "ab" * 32,
         "parent.layout": "midlayer", "vocab.policy": "parent", "verifier.name_or_path": "org/verifier",
         "verifier.aux_layers": "[2, 4, 5]", "data.digest": "cd" * 32, "finetune.run_id": "r1",
@@ -30,12 +37,6 @@ def publish(client, name: str, versions: int, mib: int, root: Path) -> dict[str,
     """Register ``versions`` versions of ``name``, each an export of its own ``model.safetensors`` (``mib``
     MiB of distinct bytes) and ``config.json`` beside a ``README.md`` they all share; returns ``{version:
     checksums manifest}``."""
-    import mlflow
-
-    from draftline.registry.transfer import CHECKSUMS
-    from draftline.registry.versions import checksums_tag
-    from draftline.util import file_sha256, manifest_digest
-
     try:
         client.create_registered_model(name)
     except Exception:  # noqa: BLE001  (it exists)
@@ -83,8 +84,6 @@ class Mover:
         self._thread.join()
 
     def _run(self) -> None:
-        from draftline.registry.promotion import holders, promote, rollback
-
         rng = random.Random(0)
         while not self._stop.wait(self.every_s):
             began = time.time()
@@ -169,8 +168,6 @@ def _sha256(path: Path) -> str:
 
 def check_pull(dest: Path, version: str, manifests: dict[str, dict[str, str]]) -> list[str]:
     """What is wrong with ``dest`` as the complete directory of ``version`` (and of no other)."""
-    from draftline.registry.transfer import CHECKSUMS
-
     want = manifests[version]
     problems = []
     files = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())

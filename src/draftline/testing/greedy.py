@@ -7,15 +7,32 @@ verifier's own replies.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig
+
+from draftline.data.capture import capture_hidden_states
+from draftline.data.conversations import load_conversations
+from draftline.data.tokenize import TokenizedSample
+from draftline.drafter.checkpoints import VERIFIER_OWNED, to_midlayer_layout
+from draftline.drafter.model import (
+    accumulate,
+    build_draft_model,
+    forward,
+    loss_config,
+    pack,
+    summarise,
+    train_steps_in_process,
+)
+from draftline.drafter.shape import specforge_config
+from draftline.drafter.vocab import build_vocab
 
 
 def chat_prompts(tokenizer, conversations: Path, count: int, offset: int = 0, max_chars: int = 200) -> list[list[int]]:
     """Token ids of ``count`` first user turns (cut at ``max_chars``), each with the generation prompt."""
-    from draftline.data.conversations import load_conversations
-
     users = [c["messages"][0]["content"] for c in load_conversations(conversations).samples
              if c["messages"] and c["messages"][0]["role"] == "user"][offset:offset + count]
     return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": u[:max_chars]}],
@@ -41,9 +58,6 @@ def greedy_replies(verifier, prompts: list[list[int]], max_new_tokens: int, pad_
 
 def records(verifier, prompts: list[list[int]], replies: list[list[int]], aux_layer_ids: list[int]) -> list[dict]:
     """Captured samples (prompt + reply, loss on the reply), hidden states in float32."""
-    from draftline.data.capture import capture_hidden_states
-    from draftline.data.tokenize import TokenizedSample
-
     samples = [TokenizedSample(str(i), p + r, [0] * len(p) + [1] * len(r))
                for i, (p, r) in enumerate(zip(prompts, replies, strict=True))]
     return [{k: (v.float() if v.is_floating_point() else v) for k, v in rec.items()}
@@ -53,11 +67,6 @@ def records(verifier, prompts: list[list[int]], replies: list[list[int]], aux_la
 def train_drafter(verifier_dir: Path, recs: list[dict], *, aux_layer_ids: list[int], steps: int,
                   draft_vocab_size: int = 256, seed: int = 0):
     """A drafter (random init, vocabulary from the replies' tokens) trained ``steps`` bare AdamW steps."""
-    from transformers import AutoConfig
-
-    from draftline.drafter.model import build_draft_model, train_steps_in_process
-    from draftline.drafter.vocab import build_vocab
-
     size = AutoConfig.from_pretrained(verifier_dir).vocab_size
     freqs = torch.zeros(size, dtype=torch.long)
     for r in recs:
@@ -74,8 +83,6 @@ def train_drafter(verifier_dir: Path, recs: list[dict], *, aux_layer_ids: list[i
 def teacher_forced(drafter, recs: list[dict], ttt_steps: int = 3) -> dict[str, float]:
     """speculators' teacher-forced metrics (``full_acc_k``/``cond_acc_k``, over the draft vocabulary), plus
     ``full_vocab_acc_0``: how often the first draft (mapped to the verifier's ids) is the verifier's next token."""
-    from draftline.drafter.model import accumulate, forward, loss_config, pack, summarise
-
     sums: dict[str, float] = {}
     hits = total = 0
     for i in range(0, len(recs), 8):
@@ -98,14 +105,6 @@ def teacher_forced(drafter, recs: list[dict], ttt_steps: int = 3) -> dict[str, f
 
 def save_drafter(model, verifier_dir: Path, out: Path) -> Path:
     """Write ``model`` as a drafter directory in the SpecForge/AQ-MedAI layout (as the tiny parent is)."""
-    import json
-
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
-
-    from draftline.drafter.checkpoints import VERIFIER_OWNED, to_midlayer_layout
-    from draftline.drafter.shape import specforge_config
-
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
              if k not in VERIFIER_OWNED}

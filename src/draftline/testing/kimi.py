@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from draftline.testing.kimi_k25 import write_k25
 from draftline.testing.tiny import _corpus_texts, build_tokenizer, write_parent
@@ -66,8 +67,6 @@ DRAFT_VOCAB = 256
 
 def build_text_model(tokenizer, *, seed: int = 0):
     """The DeepSeek-V3 language model (random weights; see :data:`HEAD_SCALE`)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
     config = DeepseekV3Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TEXT)
     torch.manual_seed(seed)

@@ -9,7 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+import httpx
 
 from draftline.util import free_port
 
@@ -31,13 +34,11 @@ def basic_auth(root: Path, admin: tuple[str, str], database_uri: str | None = No
                                           "MLFLOW_FLASK_SERVER_SECRET_KEY": "tests-secret-key"}
 
 
-def start_mlflow_server(root: Path, extra: list[str] = (), env: dict | None = None, timeout_s: float = 120, *,
+def start_mlflow_server(root: Path, extra: Sequence[str] = (), env: dict | None = None, timeout_s: float = 120, *,
                         backend_store_uri: str | None = None, port: int | None = None,
                         workers: int = 1) -> tuple[subprocess.Popen, str]:
     """Start ``mlflow server`` with its artifacts (and, by default, a sqlite store) under ``root``; returns
     ``(process, tracking URI)``. Passing the ``port`` and store of a stopped server restarts that server."""
-    import httpx
-
     root.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     uri = f"http://127.0.0.1:{port}"

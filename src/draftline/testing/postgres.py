@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from draftline.util import free_port
 
@@ -38,10 +39,10 @@ def pg_bin() -> Path:
         folder = path if path.is_dir() else path.resolve().parent
         if (folder / "pg_ctl").exists():
             return folder
-    for folder in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name),
-                         reverse=True):
-        if Path(folder, "initdb").exists():
-            return Path(folder)
+    for candidate in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name),
+                            reverse=True):
+        if Path(candidate, "initdb").exists():
+            return Path(candidate)
     raise PostgresUnavailable("no PostgreSQL server here (initdb, pg_ctl): install Debian's `postgresql` "
                               "(apt-get install -y postgresql) or set PG_BIN to the folder holding initdb")
 
@@ -74,13 +75,14 @@ class Postgres:
         return f"postgresql+psycopg2://{USER}:{PASSWORD}@127.0.0.1:{self.port}/{database}"
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        kw = {"user": self.account.pw_uid, "group": self.account.pw_gid, "extra_groups": []} if self.account else {}
+        kw: dict[str, Any] = ({"user": self.account.pw_uid, "group": self.account.pw_gid, "extra_groups": []}
+                              if self.account else {})
         return subprocess.run([str(self.bin / args[0]), *args[1:]], capture_output=True, text=True,
                               timeout=timeout, check=False, cwd=self.data.parent, **kw)
 
     def create_database(self, name: str) -> str:
         """Create database ``name`` (owned by ``mlflow``) and return its URI."""
-        import psycopg2
+        import psycopg2  # noqa: PLC0415 (optional: psycopg2, the postgres extra)
 
         conn = psycopg2.connect(host="127.0.0.1", port=self.port, user=USER, password=PASSWORD, dbname="postgres")
         try:

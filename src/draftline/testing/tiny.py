@@ -16,6 +16,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from draftline.data.capture import capture_hidden_states
+from draftline.data.conversations import load_conversations
+from draftline.data.tokenize import tokenize_conversations
+from draftline.drafter.checkpoints import to_midlayer_layout
+from draftline.drafter.model import build_draft_model, train_steps_in_process
+from draftline.drafter.shape import default_aux_layers, layer_config, specforge_config
+from draftline.drafter.vocab import build_vocab
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -28,7 +42,7 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 TINY_VERIFIER_ID = "draftline/tiny-verifier"  # as configs/parents.yaml names it
-TINY_DEFAULTS = dict(
+TINY_DEFAULTS: dict[str, Any] = dict(
     vocab_size=1024,
     hidden_size=128,
     intermediate_size=256,
@@ -41,16 +55,11 @@ TINY_DEFAULTS = dict(
 
 
 def _corpus_texts(conversations: Path) -> list[str]:
-    from draftline.data.conversations import load_conversations
-
     return [m["content"] for conv in load_conversations(conversations).samples for m in conv["messages"]]
 
 
 def build_tokenizer(texts: list[str], vocab_size: int):
     """Train a byte-level BPE on ``texts`` and wrap it as a transformers fast tokenizer with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -73,9 +82,6 @@ def build_tokenizer(texts: list[str], vocab_size: int):
 
 def build_verifier(tokenizer, *, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
                    num_key_value_heads, init_range, seed: int = 0):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -123,17 +129,6 @@ def write_parent(verifier, verifier_dir: Path, tokenizer, conversations: Path, p
     """An AQ-MedAI-layout parent for ``verifier`` (its causal LM, saved in ``verifier_dir``): a drafter trained
     ``parent_steps`` steps on the verifier's hidden states over the first half of ``conversations``, saved in
     bf16 with ``midlayer.*`` keys, ``d2t``/``t2d`` and SpecForge's config.json."""
-    import torch
-    from safetensors.torch import save_file
-
-    from draftline.data.capture import capture_hidden_states
-    from draftline.data.conversations import load_conversations
-    from draftline.data.tokenize import tokenize_conversations
-    from draftline.drafter.checkpoints import to_midlayer_layout
-    from draftline.drafter.model import build_draft_model, train_steps_in_process
-    from draftline.drafter.shape import default_aux_layers, layer_config, specforge_config
-    from draftline.drafter.vocab import build_vocab
-
     # The parent learns from the first half of the conversations; users finetune on whatever they bring.
     samples = tokenize_conversations(load_conversations(conversations).samples, tokenizer, max_length=512)
     samples = samples[: max(1, len(samples) // 2)]

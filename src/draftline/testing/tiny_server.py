@@ -33,7 +33,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from draftline.data.capture import iter_hidden_states
+from draftline.data.tokenize import TokenizedSample
+from draftline.drafter.loading import load_drafter
+from draftline.evaluation.chain import Counters, speculative_generate
+from draftline.evaluation.proposer import Eagle3Proposer
 
 
 class _Message(BaseModel):
@@ -87,11 +99,6 @@ def create_app(  # noqa: C901  (the routes of the test server, one closure each)
     """The FastAPI app serving ``model_dir`` (weights + tokenizer with a chat template) on the CPU;
     with ``api_key``, /v1 requests without ``Authorization: Bearer <api_key>`` get 401 (as vLLM's --api-key).
     Greedy requests arriving within ``batch_wait_s`` of each other share a generate call of up to ``max_batch``."""
-    import torch
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model_dir = str(Path(model_dir).resolve())
     name = served_model_name or model_dir
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -164,12 +171,6 @@ def create_app(  # noqa: C901  (the routes of the test server, one closure each)
 
 
 def _add_hidden_state_extraction(app, model, name: str, out: Path, aux: list[int], generate_lock, error) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    from draftline.data.capture import iter_hidden_states
-    from draftline.data.tokenize import TokenizedSample
-
     out.mkdir(parents=True, exist_ok=True)
 
     @app.post("/v1/completions", response_model=None)
@@ -222,12 +223,6 @@ def prometheus_text(counters, model_name: str, created: float) -> str:
 
 def _add_speculative_decoding(app, model, tokenizer, model_dir: str, name: str, drafter_dir: Path, k: int,
                               generate_lock, error) -> None:
-    from fastapi.responses import PlainTextResponse
-
-    from draftline.drafter.loading import load_drafter
-    from draftline.evaluation.chain import Counters, speculative_generate
-    from draftline.evaluation.proposer import Eagle3Proposer
-
     proposer = Eagle3Proposer(load_drafter(model_dir, drafter_dir))
     counters = Counters(k)
     created = time.time()
@@ -263,7 +258,7 @@ class _Job:
     max_new: int
     sampling: tuple[float, float, int | None] | None  # (temperature, top_p, seed), None for greedy
     done: threading.Event = field(default_factory=threading.Event)
-    out: list[int] | None = None
+    out: list[int] = field(default_factory=list)  # the reply, when done without error
     error: BaseException | None = None
 
 
@@ -333,8 +328,6 @@ class Batcher:
                 j.done.set()
 
     def _run(self, jobs: list[_Job]) -> list[list[int]]:
-        import torch
-
         longest = max(len(j.ids) for j in jobs)
         ids = torch.full((len(jobs), longest), self.pad, dtype=torch.long)
         mask = torch.zeros(len(jobs), longest, dtype=torch.long)
@@ -374,8 +367,6 @@ def serve_in_thread(model_dir: str | Path, *, served_model_name: str | None = No
                     port: int = 0, **options: Any) -> Iterator[RunningServer]:
     """Serve ``model_dir`` from a background thread on a free loopback port; stops on exit. ``options`` go to
     :func:`create_app` (hidden-state extraction, ``max_batch``, ``batch_wait_s``)."""
-    import uvicorn
-
     state = ServerState(fail_every=fail_every, fail_after=fail_after)
     app = create_app(model_dir, served_model_name=served_model_name, api_key=api_key, state=state, **options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -415,7 +406,6 @@ def main(argv: list[str] | None = None) -> None:
                    help="EAGLE-3 drafter directory: /v1/completions decodes speculatively, /metrics has vLLM's counters.")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="Drafts per step (default 3).")
     args = p.parse_args(argv)
-    import uvicorn
 
     app = create_app(args.model_dir, served_model_name=args.served_model_name, fail_every=args.fail_every,
                      fail_after=args.fail_after, api_key=args.api_key, max_batch=args.max_batch,

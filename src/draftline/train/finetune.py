@@ -9,25 +9,38 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Literal, cast
 
+import mlflow
 import torch
+from mlflow import MlflowClient
+from safetensors.torch import save_file
 
-from draftline.config import FinetuneConfig, work_dir
+from draftline import tracking
+from draftline.config import FinetuneConfig, shipped, work_dir
 from draftline.console import say
+from draftline.data.refs import dataset_name, resolve_data
+from draftline.data.shards import PreparedData, open_prepared
 from draftline.drafter import handoff
+from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header, read_tensors
 from draftline.drafter.model import LAYER_FILE, PAIRING
-from draftline.drafter.shape import key_remap, layer_config
+from draftline.drafter.parents import resolve_init
+from draftline.drafter.shape import key_remap, layer_config, verifier_config
+from draftline.drafter.vocab import build_vocab, plan_remap
 from draftline.errors import CheckpointError, ConfigError, DataError
 from draftline.registry import lineage
 from draftline.serving import hf_model
+from draftline.tracking import log_params_once, tracking_uri
+from draftline.train import plan as planning
 from draftline.train import precision, preflight
+from draftline.train.launcher import gpu_memory_gib, hostfile_shape, launch, resolve_ranks
+from draftline.train.signals import stop_on_signals
 from draftline.train.spec import WorkerSpec
+from draftline.util import files_digest
 
 
 def ds_config_path(cfg: FinetuneConfig) -> Path:
     """The DeepSpeed config file a finetune starts from: ``--ds-config``, or the shipped one for its stage."""
-    from draftline.config import shipped
-
     return Path(cfg.ds_config) if cfg.ds_config else shipped("configs", f"zero{max(cfg.zero_stage, 1)}.json")
 
 
@@ -85,9 +98,6 @@ def optimizer_params(conf: dict) -> dict[str, object]:
 def choose_vocab(cfg: FinetuneConfig, files, data, verifier_vocab: int) -> tuple[dict, dict[str, int]]:
     """``({"d2t", "t2d"}, counts)`` by the vocabulary policy; a rebuilt vocabulary over a parent's also carries
     ``new_rows_from_old`` (the remap planned here, once: the ranks apply it to the parent's ``lm_head``)."""
-    from draftline.drafter.checkpoints import read_tensors
-    from draftline.drafter.vocab import build_vocab, plan_remap
-
     parent_vocab = read_tensors(files, {"d2t", "t2d"}) if files else {}
     if files and set(parent_vocab) != {"d2t", "t2d"}:
         raise CheckpointError(f"parent {files.root} has no d2t/t2d: not an EAGLE-3 drafter with a draft vocabulary")
@@ -120,15 +130,13 @@ def log_accuracy_chart(run_id: str, ttt_steps: int) -> None:
     """Per-position full/conditional accuracy at the end of training (val/ when there is validation); skipped,
     saying so, where matplotlib is not installed (a chart never fails a finished run)."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 (optional: matplotlib)
     except ImportError:
         say("per_position_accuracy.png not drawn: matplotlib is not installed")
         return
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import mlflow
-    from mlflow import MlflowClient
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional: matplotlib)
 
     metrics = MlflowClient().get_run(run_id).data.metrics
     split = "val" if "val/full_acc_0" in metrics else "train"
@@ -151,13 +159,6 @@ def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, dr
                 aux_layer_ids: list[int], run_id: str, layer: dict | None = None) -> None:
     """Plan the run about to launch (``draftline plan``'s estimate), print one line to stderr, log ``plan.json``
     and the param ``plan.fits`` (true | false | unchecked, without a GPU | error). Never stops the launch."""
-    import mlflow
-
-    from draftline.drafter.shape import verifier_config
-    from draftline.tracking import log_params_once
-    from draftline.train import plan as planning
-    from draftline.train.launcher import gpu_memory_gib, hostfile_shape
-
     try:
         gpus, nodes = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, 1)
         config = verifier_config(verifier, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
@@ -188,10 +189,6 @@ def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, dr
 def check_resumable(run_id: str) -> None:
     """``--resume RUN_ID`` names a finetune run on this tracking server, trained in vLLM's pairing (a run
     started before draftline trained in that pairing cannot be continued in it)."""
-    from mlflow import MlflowClient
-
-    from draftline.tracking import tracking_uri
-
     try:
         run = MlflowClient().get_run(run_id)
     except Exception:  # noqa: BLE001
@@ -208,8 +205,6 @@ def check_resumable(run_id: str) -> None:
 
 def resumed_precision(run_id: str) -> precision.Choice:
     """The precision a run's checkpoints were written in, and why (its ``train.precision*`` params)."""
-    from mlflow import MlflowClient
-
     params = MlflowClient().get_run(run_id).data.params
     return precision.Choice(params.get("train.precision", "auto"),
                             params.get("train.precision_choice", "the resumed run's own precision"))
@@ -217,20 +212,8 @@ def resumed_precision(run_id: str) -> precision.Choice:
 
 def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]:
     """The finetune stage as one MLflow run; ``resume_run`` continues a run from its last checkpoint."""
-    import mlflow
-    from safetensors.torch import save_file
-
-    from draftline import tracking
-    from draftline.data.refs import dataset_name, resolve_data
-    from draftline.data.shards import open_prepared
-    from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
-    from draftline.drafter.parents import resolve_init
-    from draftline.train.launcher import hostfile_shape, launch, resolve_ranks
-    from draftline.util import files_digest
-
     tracking.setup()
     ranks, on_cpu = resolve_ranks(cfg.gpus)
-    from draftline.train.signals import stop_on_signals
 
     # the inputs are found before the run exists: a typo (init, data, stage, path) leaves no failed run behind
     if resume_run:
@@ -239,16 +222,16 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     data = open_prepared(resolve_data(cfg.data), verify=cfg.verify_data)
     manifest = data.manifest
     hf_model.trust_as_recorded(manifest["verifier"], manifest.get("verifier_trust_remote_code"))
-    eval_data = open_prepared(resolve_data(cfg.eval_data), verify=True) \
-        if cfg.eval_data else None
-    if eval_data is not None:
+    eval_data: PreparedData | None = None
+    if cfg.eval_data:
+        eval_data = open_prepared(resolve_data(cfg.eval_data), verify=True)
         preflight.check_same_verifier(manifest, eval_data.manifest, cfg.eval_data)
     parent = resolve_init(cfg.init, cache=work_dir() / "cache")
     # every check that needs no rank lives in train/preflight.py and runs here, before the run exists, so a
     # mistake leaves no FAILED run behind
     preflight.check_inputs(cfg, data)
     files, layout, sha, remap, header = None, "none", "none", "none", None
-    if not parent.is_random:
+    if parent.path is not None:  # not a random init
         files = find_checkpoint(parent.path, allow_pickle=cfg.allow_pickle)
         header = read_header(files)
         layout = detect_layout(header)
@@ -325,7 +308,8 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
             aux_layer_ids=manifest["aux_layer_ids"], layer=layer, vocab_file=str(vocab_file),
             vocab_policy=cfg.vocab, parent_path=str(parent.path) if parent.path else None,
             allow_pickle=cfg.allow_pickle, steps=cfg.steps, ttt_steps=cfg.ttt_steps,
-            tokens_per_batch=cfg.tokens_per_batch, precision=cfg.precision, seed=cfg.seed,
+            tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed,
+            precision=cast(Literal["bf16", "fp32"], cfg.precision),  # precision.choose resolved auto above
             ttt_loss_decay=cfg.ttt_loss_decay, hidden_noise=cfg.hidden_noise,
             save_every=cfg.save_every, log_every=cfg.log_every, attn_impl=cfg.attn_impl,
             val_fraction=cfg.val_fraction, val_every=cfg.val_every, ds_config=conf, checkpoint_dir=str(ckpt_dir),

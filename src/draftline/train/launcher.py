@@ -16,15 +16,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from draftline.errors import DraftlineError, TrainingError
+import torch
+
+from draftline import errors
+from draftline.errors import DraftlineError, Interrupted, TrainingError
+from draftline.train.metrics_relay import Relay
+from draftline.train.progress import Progress
+from draftline.train.rank_output import RankOutput
+from draftline.train.signals import Stopper, resume_hint
 from draftline.train.spec import WorkerSpec
 from draftline.util import free_port
 
 
 def gpu_count() -> int:
     try:
-        import torch
-
         return torch.cuda.device_count()
     except Exception:  # noqa: BLE001
         return 0
@@ -98,11 +103,6 @@ def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostf
     (:mod:`draftline.train.rank_output`); rank 0's metrics reach MLflow through :mod:`metrics_relay`, and the
     progress line (:mod:`draftline.train.progress`) from the same lines.
     """
-    from draftline.train.metrics_relay import Relay
-    from draftline.train.progress import Progress
-    from draftline.train.rank_output import RankOutput
-    from draftline.train.signals import Stopper, resume_hint
-
     spec.write(spec_path)
     error_file = Path(spec.error_file)
     error_file.unlink(missing_ok=True)
@@ -122,8 +122,6 @@ def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostf
     out.close()
     progress.close()
     if stopper.signum is not None:
-        from draftline.errors import Interrupted
-
         latest = Path(spec.checkpoint_dir) / "latest"
         saved = f"checkpoint {latest.read_text().strip()} saved in {latest.parent}" if latest.is_file() else \
             "no checkpoint was saved yet"
@@ -135,8 +133,6 @@ def launch(spec: WorkerSpec, spec_path: Path, *, ranks: int, on_cpu: bool, hostf
     if error_file.is_file():
         err = json.loads(error_file.read_text())
         if err.get("draftline"):
-            from draftline import errors
-
             cls = getattr(errors, err["type"], DraftlineError)
             raise cls(err["message"])
         raise TrainingError(f"a training rank failed:\n{err['message']}\n(all rank output: {log})")

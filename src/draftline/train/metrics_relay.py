@@ -17,6 +17,9 @@ import threading
 import time
 from pathlib import Path
 
+from mlflow import MlflowClient
+from mlflow.entities import Metric
+
 from draftline.console import say
 
 
@@ -81,9 +84,6 @@ class Relay:
 
     def deliver_once(self) -> bool:
         """Deliver what is pending; False when the server refused or was away (the rest waits)."""
-        from mlflow import MlflowClient
-        from mlflow.entities import Metric
-
         client = MlflowClient()
         for pos, line in self._pending():
             metrics = [Metric(k, v, line["timestamp"], line["step"]) for k, v in line["metrics"].items()]

@@ -32,6 +32,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.models.eagle3.model_definitions import model_classes
+
+from draftline.drafter.shape import default_config, load_config
 from draftline.errors import ConfigError, DraftlineError
 
 GIB = 1 << 30
@@ -42,10 +47,6 @@ DEFAULT_MARGIN = 0.10
 STAGES = (0, 1, 2, 3)
 def count_params(config) -> dict[str, Any]:
     """Exact parameter counts of the drafter ``config`` describes, built on the meta device."""
-    import torch
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.models.eagle3.model_definitions import model_classes
-
     config = copy.deepcopy(config)
     tl = config.transformer_layer_config
     if tl.model_type not in model_classes:
@@ -131,8 +132,8 @@ def _fp32_model_states(stage: int, p: int, largest: int, n: int) -> tuple[int, s
 def model_state_bytes(counts: dict, stage: int, gpus: int, nodes: int, precision: str = "bf16") -> dict:
     """Per-GPU bytes of one stage's model states (trainable) and frozen parameters, and where the number is
     from."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs  # noqa: PLC0415 (deepspeed: slow, and prints an accelerator warning at import)
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs  # noqa: PLC0415 (deepspeed: slow, and prints an accelerator warning at import)
 
     p, n = counts["trainable"], gpus * nodes
     largest, f = counts["largest_layer"]["params"], counts["frozen"]
@@ -158,8 +159,8 @@ def model_state_bytes(counts: dict, stage: int, gpus: int, nodes: int, precision
 
 def _deepspeed_reports(counts: dict, gpus: int, nodes: int) -> str:
     """What DeepSpeed's cold estimators print for the trainable parameters (every offload option)."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold  # noqa: PLC0415 (deepspeed: slow, and prints an accelerator warning at import)
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold  # noqa: PLC0415 (deepspeed: slow, and prints an accelerator warning at import)
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -194,7 +195,6 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
         raise ConfigError(f"precision must be bf16 or fp32, got {precision!r}")
     if zero_stage is not None and zero_stage not in STAGES:
         raise ConfigError(f"zero_stage must be one of 0-3, got {zero_stage}")
-    from draftline.drafter.shape import default_config, load_config
 
     if config is None:
         config, name = default_config(), name or "Kimi-K2 EAGLE-3 (AQ-MedAI shape)"

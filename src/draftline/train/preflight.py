@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import copy
 import time
+import traceback
+from pathlib import Path
 
 import torch
+from pydantic import ValidationError
+from speculators.models.eagle3 import Eagle3DraftModel
 
-from draftline.errors import CheckpointError, ConfigError, DataError
+from draftline.drafter.checkpoints import match_keys, model_shapes, read_header
+from draftline.drafter.shape import aux_layer_ids as aux_of
+from draftline.drafter.shape import require_aux_layers, verifier_config
+from draftline.errors import CheckpointError, ConfigError, DataError, ParentMismatch
 from draftline.serving import hf_model
 
 
 def drafter_shapes(verifier: str, layer: dict, *, aux_layer_ids: list[int], draft_vocab_size: int) -> dict[str, tuple[int, ...]]:
     """``{key: shape}`` of the drafter ``build_draft_model`` builds for the spec, built on the meta device
     (no weight is allocated, the verifier's embeddings are not read)."""
-    from speculators.models.eagle3 import Eagle3DraftModel
-
-    from draftline.drafter.checkpoints import model_shapes
-    from draftline.drafter.shape import verifier_config
-
     config = verifier_config(verifier, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids, layer=layer)
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (as the ranks build it)
     with torch.device("meta"):
@@ -37,8 +39,9 @@ def check_verifier(verifier: str, layer: dict, manifest: dict) -> None:
     mismatch only inside the ranks, after loading the embeddings)."""
     vc = hf_model.load_text_config(verifier)
     if vc.hidden_size != layer["hidden_size"]:
-        raise CheckpointError(f"the drafter's layer has hidden size {layer['hidden_size']} but the verifier "
-                              f"{verifier} has {vc.hidden_size}: choose a parent made for this verifier")
+        raise ParentMismatch(f"the parent's layer has hidden size {layer['hidden_size']} but the verifier "
+                             f"{verifier} has {vc.hidden_size}: choose a parent made for this verifier (or "
+                             "init=random)")
     if vc.vocab_size != manifest["vocab_size"] or vc.hidden_size != manifest["hidden_size"]:
         raise DataError(f"the data was prepared with hidden size {manifest['hidden_size']} and vocabulary "
                         f"{manifest['vocab_size']}, but the verifier {verifier} has {vc.hidden_size} and "
@@ -48,8 +51,6 @@ def check_verifier(verifier: str, layer: dict, manifest: dict) -> None:
 def check_data(shapes: dict[str, tuple[int, ...]], manifest: dict, aux_layer_ids: list[int],
                drafter: str = "the drafter") -> None:
     """The data's hidden states against the drafter's input projection: ``fc`` reads aux x hidden."""
-    from draftline.drafter.shape import require_aux_layers
-
     aux = manifest["aux_layer_ids"]
     require_aux_layers(drafter, aux_layer_ids, aux)
     want = len(aux) * manifest["hidden_size"]
@@ -74,8 +75,6 @@ def check_vocab(vocab: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...
 def check_parent(files, shapes: dict[str, tuple[int, ...]], *, rebuild: bool, header: dict | None = None) -> None:
     """The parent's keys and shapes (headers only), after the ``midlayer.`` -> ``layers.0.`` remap, against
     the drafter; under vocab=rebuild ``lm_head``'s rows are those of the parent's own ``d2t``."""
-    from draftline.drafter.checkpoints import match_keys, read_header
-
     header = header if header is not None else read_header(files)
     match_keys(header, shapes, root=files.root, rebuild=rebuild)
     if rebuild:
@@ -98,9 +97,9 @@ def check_parent_fits_data(name: str, header: dict, manifest: dict) -> None:
     if wrong:
         got = ", ".join(f"{k} {theirs[k]}" for k in wrong)
         want = ", ".join(f"{k} {ours[k]}" for k in wrong)
-        raise DataError(f"parent {name} was trained for a verifier with {got}, but the data was prepared with "
-                        f"{manifest.get('verifier_name') or manifest['verifier']} ({want}): prepare the data with "
-                        "the parent's verifier, or choose a parent made for this one")
+        raise ParentMismatch(f"parent {name} was trained for a verifier with {got}, but the data was prepared with "
+                             f"{manifest.get('verifier_name') or manifest['verifier']} ({want}): choose a parent "
+                             "made for this verifier, or prepare the data with the parent's verifier")
 
 
 def check_parent_config_matches_weights(name: str, config: dict | None, header: dict) -> None:
@@ -123,8 +122,6 @@ def check_parent_config_matches_weights(name: str, config: dict | None, header: 
 
 def check_inputs(cfg, data) -> None:
     """The finetune settings against the files they name and the data: before the run exists."""
-    from pathlib import Path
-
     if cfg.hostfile and not Path(cfg.hostfile).is_file():
         raise DataError(f"hostfile {cfg.hostfile} does not exist: pass --hostfile <a DeepSpeed hostfile>")
     if cfg.ds_config and not Path(cfg.ds_config).is_file():
@@ -145,7 +142,7 @@ def check_ds_config(conf: dict, path, world_size: int = 1) -> None:
     Outside a process group (none is created here) DeepSpeed takes the world to be one process. The one setting
     it checks against the world size, ``train_batch_size``, is therefore left to the ranks in a run of more than
     one, when ``train_micro_batch_size_per_gpu`` is given (DeepSpeed then derives it)."""
-    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: PLC0415 (deepspeed: slow, and prints an accelerator warning at import)
 
     checked = copy.deepcopy(conf)  # DeepSpeed's parsing may change it; the ranks get ``conf`` as it is
     if world_size > 1 and "train_micro_batch_size_per_gpu" in checked:
@@ -161,10 +158,6 @@ def _deepspeed_says(e: Exception, conf: dict) -> str:
     """DeepSpeed's refusal on one line: a pydantic error as ``section.key: message, got value`` (the section is
     the config's own key holding it), anything else as DeepSpeed words it, with the DeepSpeed function that
     raised it where the message does not name a setting (a ``TypeError`` from comparing a string)."""
-    import traceback
-
-    from pydantic import ValidationError
-
     if isinstance(e, ValidationError):
         said = []
         for err in e.errors():
@@ -192,9 +185,8 @@ def preflight(*, verifier: str, layer: dict, manifest: dict, vocab: dict[str, to
               parent_name: str | None = None) -> dict[str, float]:
     """Every check before launch; returns ``{"seconds": ...}``. Raises the first problem found."""
     t0 = time.perf_counter()
-    from draftline.drafter.shape import aux_layer_ids
 
-    aux = (aux_layer_ids(parent_files.config) if parent_files is not None else None) or manifest["aux_layer_ids"]
+    aux = (aux_of(parent_files.config) if parent_files is not None else None) or manifest["aux_layer_ids"]
     check_verifier(verifier, layer, manifest)
     shapes = drafter_shapes(verifier, layer, aux_layer_ids=aux, draft_vocab_size=int(vocab["d2t"].numel()))
     check_data(shapes, manifest, aux, f"parent {parent_name}" if parent_name and parent_files is not None else

@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+from draftline.console import PREFIX
+
 
 def _clock(seconds: float) -> str:
     seconds = int(max(seconds, 0))
@@ -75,7 +77,6 @@ class Progress:
             parts.append(f"ETA {_clock((self.total - step) * (now - t0) / (step - first_step))}")
         else:
             parts.append("ETA …")
-        from draftline.console import PREFIX
 
         return PREFIX + "  ".join(parts)
 

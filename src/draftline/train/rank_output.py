@@ -11,17 +11,17 @@ import re
 import sys
 from pathlib import Path
 
+from draftline import console
+
 _PREFIX = re.compile(r"^(\[rank\d+\]:\s?)")  # torch.distributed prefixes a rank's lines with [rankN]:
 _END = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*|^[A-Za-z_][\w.]*: ")
 OWN = "[draftline]"  # console.PREFIX without its space
 
 
 def _level(verbose: bool | None) -> str:
-    from draftline.console import level
-
     if verbose is not None:
         return "debug" if verbose else "info"
-    return "debug" if os.environ.get("DRAFTLINE_VERBOSE", "") not in ("", "0") else level()
+    return "debug" if os.environ.get("DRAFTLINE_VERBOSE", "") not in ("", "0") else console.level()
 
 
 class RankOutput:

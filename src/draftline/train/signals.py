@@ -19,6 +19,9 @@ import sys
 import threading
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from draftline.console import say
 from draftline.util import SIGNALS, interrupt_on_signals
 
@@ -91,9 +94,6 @@ def install_rank_handlers() -> dict[str, bool]:
 def stop_requested(local: bool, stop_file: str | None) -> bool:
     """True on every rank when any rank was signalled or the launching process wrote the stop file (one
     all-reduce of a scalar per step, so all ranks save the same step)."""
-    import torch
-    import torch.distributed as dist
-
     flag = bool(local) or bool(stop_file and os.path.exists(stop_file))
     if dist.is_initialized() and dist.get_world_size() > 1:
         backend = dist.get_backend()

@@ -17,21 +17,41 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from mlflow import MlflowClient
+from mlflow.entities import Metric
+from safetensors.torch import load_file
 
 from draftline.console import say
+from draftline.data.shards import open_prepared
+from draftline.data.verify import ShardVerifier
+from draftline.drafter.batches import batches, prefetch
+from draftline.drafter.checkpoints import find_checkpoint, load_into_model
+from draftline.drafter.handoff import BEST_TAG, read_best, write_best
+from draftline.drafter.model import (
+    accumulate,
+    add_hidden_noise,
+    build_draft_model,
+    forward,
+    loss_config,
+    metric_sums,
+    pack,
+    summarise,
+    trainable_parameters,
+)
+from draftline.drafter.vocab import VocabRemap, remap_lm_head, verifier_head
+from draftline.errors import DraftlineError
+from draftline.train.metrics_relay import MetricsFile
+from draftline.train.signals import install_rank_handlers, stop_requested
 from draftline.train.spec import WorkerSpec
 
 
 def _log_metrics(client, run_id: str, metrics: dict[str, float], step: int) -> None:
-    from mlflow.entities import Metric
-
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
 
 def _all_reduce_sums(sums: dict[str, float]) -> dict[str, float]:
-    import torch.distributed as dist
-
     keys = sorted(sums)
     t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -51,8 +71,6 @@ def split_validation(records: list, fraction: float) -> tuple[list, list]:
 def validate(engine, val_records, spec, device, dtype, cfg, rank: int, world: int) -> dict[str, float]:
     """Metrics over the held-out samples, chunks split across ranks. Every rank runs the same number of
     forwards (ZeRO-3 gathers parameters collectively); surplus forwards are not counted."""
-    from draftline.drafter.model import metric_sums, summarise
-
     engine.eval()
     sums = metric_sums(engine, val_records, ttt_steps=spec.ttt_steps, tokens_per_batch=spec.tokens_per_batch,
                        dtype=dtype, device=device, loss_cfg=cfg, rank=rank, world=world)
@@ -70,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:  # a stop (SIGTERM/SIGINT) after saving: not an error
         raise
     except BaseException as e:  # the launcher only sees exit codes: leave the message for the parent
-        from draftline.errors import DraftlineError
-
         # a user's error (e.g. a changed shard found by rank 1) is kept over the errors it causes in other ranks
         kept = json.loads(error_file.read_text()) if error_file.exists() else {}
         if not kept.get("draftline") and (isinstance(e, DraftlineError) or not kept
@@ -88,32 +104,13 @@ def no_shm_allreduce() -> None:
     on first use (minutes on 2 cores, under a lock file that a killed rank leaves behind, hanging every later
     run) and creates a 66 MiB ``/dev/shm`` buffer per rank that it never unlinks: RAM lost for good on every
     CPU run. On a GPU it is not used at all."""
-    import deepspeed.ops
+    import deepspeed.ops  # noqa: PLC0415 (deepspeed: slow, and prints an accelerator warning at import)
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one place, as nanoGPT keeps it)
-    import deepspeed
-    from mlflow import MlflowClient
-
-    from draftline.data.shards import open_prepared
-    from draftline.data.verify import ShardVerifier
-    from draftline.drafter.batches import batches, prefetch
-    from draftline.drafter.checkpoints import find_checkpoint, load_into_model
-    from draftline.drafter.handoff import BEST_TAG, read_best, write_best
-    from draftline.drafter.model import (
-        accumulate,
-        add_hidden_noise,
-        build_draft_model,
-        forward,
-        loss_config,
-        pack,
-        summarise,
-        trainable_parameters,
-    )
-    from draftline.train.metrics_relay import MetricsFile
-    from draftline.train.signals import install_rank_handlers, stop_requested
+    import deepspeed  # noqa: PLC0415 (deepspeed: slow, and prints an accelerator warning at import)
 
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     if not on_gpu:
@@ -136,8 +133,6 @@ def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one pl
         records, val_records = split_validation(data.records(), spec.val_fraction)
 
     # model: built, cast, then the parent's weights copied in (never under zero.Init; see docs/design.md)
-    from safetensors.torch import load_file
-
     vocab = load_file(spec.vocab_file)
     model = build_draft_model(spec.verifier, d2t=vocab["d2t"], t2d=vocab["t2d"],
                               aux_layer_ids=spec.aux_layer_ids, draft_vocab_size=int(vocab["d2t"].numel()),
@@ -147,8 +142,6 @@ def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one pl
         parent_files = find_checkpoint(spec.parent_path, allow_pickle=spec.allow_pickle)
         remap = None
         if spec.vocab_policy == "rebuild":  # the remap finetune planned (vocab.safetensors: new_rows_from_old)
-            from draftline.drafter.vocab import VocabRemap, remap_lm_head, verifier_head
-
             full_head = verifier_head(spec.verifier)
             plan = VocabRemap(new_rows_from_old=vocab["new_rows_from_old"], kept=-1, added=-1, dropped=-1)
             remap = lambda old: remap_lm_head(old, plan, vocab["d2t"], full_head)  # noqa: E731
@@ -170,8 +163,9 @@ def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one pl
 
     best = read_best(ckpt_dir)
     stop = install_rank_handlers()  # SIGTERM/SIGINT, or the launcher's stop file: save, then exit
+    run_id = spec.run_id if rank == 0 else None  # rank 0 logs the metrics (spec.run_id None: no logging)
     client = (MetricsFile(spec.metrics_file) if spec.metrics_file else MlflowClient()) \
-        if rank == 0 and spec.run_id else None  # metrics go through a file the launching process relays
+        if run_id else None  # metrics go through a file the launching process relays
     cfg = loss_config()
     steps, ttt = spec.steps, spec.ttt_steps
     stream = batches(records, spec.tokens_per_batch, seed=spec.seed, rank=rank, world_size=world,
@@ -180,11 +174,11 @@ def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one pl
     packed = prefetch(pin(pack(records_of_step)) for records_of_step in stream)
     if val_records and start_step == 0:  # the parent (or the random init), measured before it changes
         val = validate(engine, val_records, spec, device, dtype, cfg, rank, world)
-        if client:
+        if client and run_id:
             start = {f"val/{k}": v for k, v in val.items()}
             if spec.parent_path:
                 start.update({f"parent.val/{k}": val[k] for k in ("acceptance_length", "full_acc_0") if k in val})
-            _log_metrics(client, spec.run_id, start, 0)
+            _log_metrics(client, run_id, start, 0)
     engine.train()
     step, tick = start_step, time.perf_counter()
     window_tokens = 0
@@ -204,16 +198,16 @@ def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one pl
             sums = accumulate({"tokens": float(window_tokens)}, metrics)
             sums = _all_reduce_sums(sums)
             elapsed = time.perf_counter() - tick
-            if client:
+            if client and run_id:
                 out = {f"train/{k}": v for k, v in summarise(sums, ttt).items() if not k.startswith("tokens")}
                 out["train/lr"] = engine.get_lr()[0]
                 out["train/tokens_per_s"] = sums["tokens"] / max(elapsed, 1e-9)
-                _log_metrics(client, spec.run_id, out, step)
+                _log_metrics(client, run_id, out, step)
             tick, window_tokens = time.perf_counter(), 0
         if val_records and (step % spec.val_every == 0 or step == steps):
             val = validate(engine, val_records, spec, device, dtype, cfg, rank, world)
-            if client:
-                _log_metrics(client, spec.run_id, {f"val/{k}": v for k, v in val.items()}, step)
+            if client and run_id:
+                _log_metrics(client, run_id, {f"val/{k}": v for k, v in val.items()}, step)
             if best is None or val["acceptance_length"] > best["value"]:  # kept beside the newest
                 best = {"step": step, "metric": "val/acceptance_length", "value": val["acceptance_length"]}
                 engine.save_checkpoint(str(ckpt_dir), tag=BEST_TAG, client_state={"step": step, "best": best},
