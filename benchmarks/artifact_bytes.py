@@ -25,12 +25,10 @@ OTHER_ASSUMED = {"per_position_accuracy.png": 40_000, "parent_load_report.json":
 
 def drafter_tensors(shape: str) -> dict[str, tuple[tuple[int, ...], torch.dtype, bool]]:
     """``{key: (shape, dtype, trainable)}`` of the drafter's state dict, from a meta-device build."""
-    from speculators.models.eagle3 import Eagle3DraftModel
-
     from benchmarks.common import drafter_config
+    from draftline.drafter.model import meta_drafter
 
-    with torch.device("meta"):
-        model = Eagle3DraftModel(drafter_config(shape))
+    model = meta_drafter(drafter_config(shape))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     return {k: (tuple(v.shape), torch.bfloat16 if v.is_floating_point() else v.dtype, k in trainable)
             for k, v in model.state_dict().items()}

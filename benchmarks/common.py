@@ -34,17 +34,9 @@ def drafter_config(shape: str, attn: str = "sdpa"):
 def bench_model(shape: str, device, dtype=torch.bfloat16, init: bool = True, attn: str = "sdpa"):
     """An ``Eagle3DraftModel`` of the shape, built on the meta device and materialised directly in ``dtype``
     (no fp32 copy), verifier-owned weights random (no verifier checkpoint is needed)."""
-    from speculators.models.eagle3 import Eagle3DraftModel
+    from draftline.drafter.model import meta_drafter
 
-    config = drafter_config(shape, attn)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = Eagle3DraftModel(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model = model.to_empty(device=device)
+    model = meta_drafter(drafter_config(shape), dtype=dtype, attn=attn).to_empty(device=device)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if not t.is_floating_point():

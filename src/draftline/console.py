@@ -25,7 +25,8 @@ def level() -> str:
     return value if value in LEVELS else "warning"
 
 
-def loud() -> bool:
+def verbose() -> bool:
+    """Whether this process shows what -v asks for (info and debug), not only warnings."""
     return level() != "warning"
 
 

@@ -154,12 +154,12 @@ def pull(name, stage, alias, version, dest, verifier, no_cache, as_json, verify_
 def lineage(name, version, as_json):
     """The ancestry of VERSION of NAME (a number, a stage, @alias, or a models:/ URI) back to its external
     root, with the data digest and headline metrics of every generation."""
-    from draftline.registry.ancestry import render, walk
+    from draftline.registry.ancestry import ancestors, render
 
     uri = version if version.startswith("models:/") else \
         f"models:/{name}@{version[1:]}" if version.startswith("@") else f"models:/{name}/{version}"
     with _stdout_to_stderr():
-        chain = walk(_client(), uri)
+        chain = ancestors(_client(), uri)
     click.echo(json.dumps(chain, indent=2) if as_json else render(chain))
 
 

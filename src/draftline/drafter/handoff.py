@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from draftline import tracking
 from draftline.config import work_dir
-from draftline.console import loud
+from draftline.console import verbose
 from draftline.drafter.checkpoints import VERIFIER_OWNED
 from draftline.drafter.model import LAYER_FILE
 from draftline.errors import CheckpointError
@@ -83,7 +83,7 @@ def consolidate(ckpt_dir: Path, tag: str | None = None) -> dict[str, torch.Tenso
         raise CheckpointError(f"{ckpt_dir} holds no DeepSpeed checkpoint {tag}")
 
     # DeepSpeed prints its progress to stdout and a bar to stderr: shown with -v only
-    sink = sys.stderr if loud() else io.StringIO()
+    sink = sys.stderr if verbose() else io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +21,22 @@ DEFAULT_DTYPE = torch.bfloat16
 
 
 LAYER_FILE = "layer_config.json"  # beside the DeepSpeed checkpoint: the layer the run trained
+
+
+def meta_drafter(config, *, dtype: torch.dtype | None = None, attn: str = "sdpa") -> Eagle3DraftModel:
+    """The ``Eagle3DraftModel`` ``config`` describes, built on the meta device: shapes and parameter counts with
+    no weight allocated and no verifier read; ``dtype`` the dtype its floating tensors get (default: torch's);
+    ``attn`` the draft attention (any works on meta; the ranks build with ``sdpa``). ``config`` is not changed."""
+    config = copy.deepcopy(config)
+    config.transformer_layer_config._attn_implementation = attn  # noqa: SLF001
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or previous)
+    try:
+        with torch.device("meta"):
+            return Eagle3DraftModel(config)
+    finally:
+        torch.set_default_dtype(previous)
+
 def build_draft_model(verifier_name_or_path: str, *, d2t: torch.Tensor, t2d: torch.Tensor,
                       aux_layer_ids: list[int], draft_vocab_size: int, ttt_steps: int = 3,
                       attn_impl: str = "sdpa", dtype: torch.dtype = DEFAULT_DTYPE,

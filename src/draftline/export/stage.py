@@ -1,7 +1,7 @@
 """The export stage as one MLflow run: take the finetune run's handed-on weights, rebuild the drafter
 (``rebuild``), write the directory vLLM loads as it is (``directory``), validate it (``validate``), upload it
 with its checksums (``upload``, and SpecForge's layout beside it: ``midlayer``), and register a version carrying
-the lineage. Running out of room on the way is one clear error (``room``)."""
+the lineage. Running out of room on the way is one clear error (``disk_space``)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from draftline.drafter.model import LAYER_FILE
 from draftline.errors import DataError, DraftlineError
 from draftline.evaluation.stage import attach, evaluations_for
 from draftline.export.directory import serving_id, write_drafter
+from draftline.export.disk_space import in_store, in_tmp
 from draftline.export.midlayer import check_reload, write_midlayer
 from draftline.export.rebuild import build_trained_model, local_verifier
-from draftline.export.room import in_store, in_tmp
 from draftline.export.upload import upload_with_checksums
 from draftline.export.validate import check_in_vllm, validate
 from draftline.registry import lineage as lin

@@ -7,7 +7,7 @@ from draftline.registry.lineage import HEADLINE_METRICS
 from draftline.registry.versions import resolve_version
 
 
-def walk(client, uri: str, max_depth: int = 64) -> list[dict]:
+def ancestors(client, uri: str, max_depth: int = 64) -> list[dict]:
     """Generations from ``uri`` back to the root: registered versions, then the external parent (or random)."""
     chain: list[dict] = []
     seen: set[tuple] = set()

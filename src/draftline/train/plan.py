@@ -26,16 +26,14 @@ fragmentation.
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import math
 from pathlib import Path
 from typing import Any
 
-import torch
-from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.models.eagle3.model_definitions import model_classes
 
+from draftline.drafter.model import meta_drafter
 from draftline.drafter.shape import default_config, load_config
 from draftline.errors import ConfigError, DraftlineError
 
@@ -47,14 +45,11 @@ DEFAULT_MARGIN = 0.10
 STAGES = (0, 1, 2, 3)
 def count_params(config) -> dict[str, Any]:
     """Exact parameter counts of the drafter ``config`` describes, built on the meta device."""
-    config = copy.deepcopy(config)
     tl = config.transformer_layer_config
     if tl.model_type not in model_classes:
         raise ConfigError(f"speculators builds EAGLE-3 layers for {', '.join(sorted(model_classes))} only; this "
                           f"drafter's layer config is {tl.model_type!r}")
-    tl._attn_implementation = "sdpa"  # noqa: SLF001 (any: nothing runs; flex would want a GPU)
-    with torch.device("meta"):
-        model = Eagle3DraftModel(config)
+    model = meta_drafter(config)
     trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
     frozen = {n: p.numel() for n, p in model.named_parameters() if not p.requires_grad}
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 from pydantic import ValidationError
-from speculators.models.eagle3 import Eagle3DraftModel
 
 from draftline.drafter.checkpoints import match_keys, model_shapes, read_header
+from draftline.drafter.model import meta_drafter
 from draftline.drafter.shape import aux_layer_ids as aux_of
 from draftline.drafter.shape import require_aux_layers, verifier_config
 from draftline.errors import CheckpointError, ConfigError, DataError, ParentMismatch
@@ -28,10 +28,7 @@ def drafter_shapes(verifier: str, layer: dict, *, aux_layer_ids: list[int], draf
     """``{key: shape}`` of the drafter ``build_draft_model`` builds for the spec, built on the meta device
     (no weight is allocated, the verifier's embeddings are not read)."""
     config = verifier_config(verifier, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids, layer=layer)
-    config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (as the ranks build it)
-    with torch.device("meta"):
-        model = Eagle3DraftModel(config)
-    return model_shapes(model)
+    return model_shapes(meta_drafter(config))
 
 
 def check_verifier(verifier: str, layer: dict, manifest: dict) -> None:
