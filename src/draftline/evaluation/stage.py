@@ -162,19 +162,18 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
 
 
 def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
-
     progress = sys.stderr.isatty() if progress is None else progress
     tracking.setup()
     client = mlflow.MlflowClient()
     # every input is checked before the run exists: a typo leaves no failed run behind
-    cache = work_dir() / "cache"
     data = open_prepared(resolve_data(cfg.data), verify=True)
     manifest = data.manifest
     data_name = dataset_name(client, cfg.data)
     verifier_dir = _verifier(cfg, manifest)
     hf_model.trust_as_recorded(verifier_dir, manifest.get("verifier_trust_remote_code"))
     backend = backend_of(cfg, verifier_dir)
-    target = resolve_target(cfg.target, cache=cache, checkpoint=cfg.checkpoint, experiment_id=tracking.experiment_id())
+    target = resolve_target(cfg.target, cache=work_dir() / "cache", checkpoint=cfg.checkpoint,
+                            experiment_id=tracking.experiment_id())
     drafter = load_drafter(target, verifier_dir, manifest["aux_layer_ids"], ttt_steps=cfg.num_speculative_tokens)
     records = data.records()
 
@@ -183,25 +182,45 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     metrics = {f"eval/teacher_forced/{k}": v for k, v in tf.items() if not k.startswith("loss")}
     chain, n_prompts, cross = (_measure(cfg, backend, drafter, verifier_dir, records, progress) if cfg.measured
                                else (None, 0, None))
-    if cross is not None and chain is not None:  # the in-process chain beside vLLM's figure, same prompts
-        metrics.update({f"eval/inprocess/{k}": v for k, v in cross.metrics().items()})
-        metrics["eval/inprocess/acceptance_length_difference"] = chain.acceptance_length - cross.acceptance_length
     interval = None
     if chain is not None:
         metrics.update(_predicted(cfg, drafter, records, manifest, chain.acceptance_length, progress))
-        metrics.update({f"eval/measured/{k}": v for k, v in chain.metrics().items()})
-        metrics["eval/measured/prompts"] = float(n_prompts)
-        if chain.per_prompt:
-            interval = acceptance_interval(chain.per_prompt, level=cfg.confidence)
-            metrics.update({"eval/measured/acceptance_length_low": interval.low,
-                            "eval/measured/acceptance_length_high": interval.high,
-                            "eval/measured/confidence": cfg.confidence})
-            say(f"measured {interval.text()} on {interval.n} prompts ({cfg.confidence:.0%} interval, "
-                f"width {interval.width:.2f}; {backend})")
-        recommended = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
-        metrics[evidence.RECOMMENDED_K] = float(recommended)
-        _say_lossless(chain, n_prompts)
+        interval = _measured_metrics(cfg, chain, n_prompts, cross, backend, metrics)
+    run_id = _log_evaluation(cfg, target, data_name, manifest, metrics, chain, n_prompts, backend)
+    out = {"run_id": run_id, "target": target.name, "data": f"{data_name} ({manifest['digest'][:12]})",
+           "teacher_forced_acceptance_length": round(tf["acceptance_length"], 4),
+           "teacher_forced_walk_acceptance_length": round(tf["walk_acceptance_length"], 4)}
+    if chain is not None:
+        out.update(_measured_summary(cfg, chain, n_prompts, cross, backend, metrics, interval))
+    return out
 
+
+def _measured_metrics(cfg: EvaluateConfig, chain, n_prompts: int, cross, backend: str, metrics: dict):
+    """vLLM's (or the in-process chain's) figures into ``metrics``, with the interval over prompts, the
+    recommended k and the lossless verdict said; returns the interval (None without per-prompt evidence)."""
+    if cross is not None:  # the in-process chain beside vLLM's figure, on the same prompts
+        metrics.update({f"eval/inprocess/{k}": v for k, v in cross.metrics().items()})
+        metrics["eval/inprocess/acceptance_length_difference"] = chain.acceptance_length - cross.acceptance_length
+    metrics.update({f"eval/measured/{k}": v for k, v in chain.metrics().items()})
+    metrics["eval/measured/prompts"] = float(n_prompts)
+    interval = None
+    if chain.per_prompt:
+        interval = acceptance_interval(chain.per_prompt, level=cfg.confidence)
+        metrics.update({"eval/measured/acceptance_length_low": interval.low,
+                        "eval/measured/acceptance_length_high": interval.high,
+                        "eval/measured/confidence": cfg.confidence})
+        say(f"measured {interval.text()} on {interval.n} prompts ({cfg.confidence:.0%} interval, "
+            f"width {interval.width:.2f}; {backend})")
+    recommended = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
+    metrics[evidence.RECOMMENDED_K] = float(recommended)
+    _say_lossless(chain, n_prompts)
+    return interval
+
+
+def _log_evaluation(cfg: EvaluateConfig, target, data_name: str, manifest: dict, metrics: dict, chain,
+                    n_prompts: int, backend: str) -> str:
+    """The evaluate run: params, the evaluation set as its input, the metrics (also on the drafter's
+    LoggedModel), the result file and the per-prompt evidence; returns its id."""
     dataset = lineage.data_set(manifest, data_name)
     tags = {**lineage.vllm_tags(), "draftline.evaluate.target": cfg.target, "draftline.evaluate.kind": target.kind,
             "draftline.evaluate.data": f"{data_name} {manifest['digest'][:12]}"}
@@ -229,25 +248,25 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
             (Path(tmp) / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
             mlflow.log_artifact(str(Path(tmp) / RESULT_FILE))
             if chain is not None and chain.per_prompt:  # what a later comparison pairs prompt by prompt
-
                 (Path(tmp) / PER_PROMPT_FILE).write_text("".join(json.dumps(r) + "\n" for r in chain.per_prompt))
                 mlflow.log_artifact(str(Path(tmp) / PER_PROMPT_FILE))
-    out = {"run_id": active.info.run_id, "target": target.name, "data": f"{data_name} ({manifest['digest'][:12]})",
-           "teacher_forced_acceptance_length": round(tf["acceptance_length"], 4),
-           "teacher_forced_walk_acceptance_length": round(tf["walk_acceptance_length"], 4)}
-    if chain is not None:
-        out.update({"measured_acceptance_length": round(chain.acceptance_length, 4),
-                    "acceptance_rate_per_position": [round(r, 4) for r in chain.per_position_rates],
-                    "lossless": chain.lossless if chain.lossless_checked else None, "prompts": n_prompts,
-                    "backend": backend,
-                    "recommended_num_speculative_tokens": int(metrics[evidence.RECOMMENDED_K])})
-        if evidence.PREDICTED in metrics:
-            out["predicted_acceptance_length"] = round(metrics[evidence.PREDICTED], 4)
-        if cross is not None:
-            out["inprocess_acceptance_length"] = round(cross.acceptance_length, 4)
-        if interval is not None:
-            out["measured_interval"] = [round(interval.low, 4), round(interval.high, 4)]
-            out["confidence"] = cfg.confidence
+    return active.info.run_id
+
+
+def _measured_summary(cfg: EvaluateConfig, chain, n_prompts: int, cross, backend: str, metrics: dict,
+                      interval) -> dict:
+    """The measured half of what evaluate prints."""
+    out = {"measured_acceptance_length": round(chain.acceptance_length, 4),
+           "acceptance_rate_per_position": [round(r, 4) for r in chain.per_position_rates],
+           "lossless": chain.lossless if chain.lossless_checked else None, "prompts": n_prompts,
+           "backend": backend, "recommended_num_speculative_tokens": int(metrics[evidence.RECOMMENDED_K])}
+    if evidence.PREDICTED in metrics:
+        out["predicted_acceptance_length"] = round(metrics[evidence.PREDICTED], 4)
+    if cross is not None:
+        out["inprocess_acceptance_length"] = round(cross.acceptance_length, 4)
+    if interval is not None:
+        out["measured_interval"] = [round(interval.low, 4), round(interval.high, 4)]
+        out["confidence"] = cfg.confidence
     return out
 
 

@@ -38,15 +38,8 @@ def run(cfg: ExportConfig) -> dict[str, str]:
     """The export stage as one MLflow run. Returns ``{"run_id", "model_uri", "version"}``."""
     tracking.setup()
     client = MlflowClient()
-    ft_id = tracking.parse_run_ref(cfg.run)[0]
-    try:
-        ft = client.get_run(ft_id)
-    except Exception:  # noqa: BLE001
-        raise DataError(f"finetune run {ft_id} does not exist on {tracking.tracking_uri()}") from None
-    if ft.info.status != "FINISHED" or ft.data.tags.get("draftline.step") != "finetune":
-        raise DataError(f"run {ft_id} is not a finished finetune run (status {ft.info.status}, step "
-                        f"{ft.data.tags.get('draftline.step')}); export a finetune run that finished")
-    params = ft.data.params
+    ft = _finished_finetune(client, cfg.run)
+    ft_id, params = ft.info.run_id, ft.data.params
     hf_model.trust_as_recorded(local_verifier(params), params.get("verifier.trust_remote_code"))
     metrics = {k: v for k, v in ft.data.metrics.items() if k in lin.HEADLINE_METRICS}
 
@@ -54,79 +47,122 @@ def run(cfg: ExportConfig) -> dict[str, str]:
                             tags={"draftline.finetune.run_id": ft_id, **lin.vllm_tags()}) as active, \
             tempfile.TemporaryDirectory(prefix="draftline-export-") as tmp_dir:
         tmp = Path(tmp_dir)
-
-        with in_tmp(tmp):
-            where, state, step = fetch_weights(ft, cfg.checkpoint, tmp / "weights")
-        layer = json.loads((where / LAYER_FILE).read_text()) if (where / LAYER_FILE).is_file() else None
-        model = build_trained_model(state, params, layer)
-        del state
-        shutil.rmtree(tmp / "weights", ignore_errors=True)
-        lineage = {k: params[k] for k in lin.VERSION_TAG_PARAMS if k in params}
-        if step is not None:
-            lineage["checkpoint.step"] = str(step)
-        lineage["verifier.name_or_path"] = serving_id(cfg, params)
-        model.config.speculators_config.verifier.name_or_path = lineage["verifier.name_or_path"]
-        lineage.update({"finetune.run_id": ft_id, "ttt_steps": params.get("ttt_steps", "3")})
-
+        model, lineage, step = _trained_drafter(ft, cfg, tmp)
         evaluated = evaluations_for(client, ft_id, step)
-
-        found = recommended_k(evaluated, policy_set())
-        k = found[0] if found else None
-        if found:  # measured: vLLM reads num_speculative_tokens from here, and pull prints the same
-            model.config.speculators_config.proposal_methods[0].speculative_tokens = k
-            lineage["eval.recommended_num_speculative_tokens"] = str(k)
-            lineage["eval.recommended_num_speculative_tokens.set"] = found[1]
-        out = tmp / "drafter"
-        try:
-            with in_tmp(out):
-                write_drafter(model, out, lineage, metrics)
-        except OSError as e:
-            raise DraftlineError(f"cannot write the export to {e.filename or out} ({e.strerror}): point TMPDIR "
-                                 "at a writable directory") from None
-        validate(model, out, verifier_path=local_verifier(params))
+        k = _set_recommended_k(model, lineage, evaluated)
+        out = _write_checked(model, lineage, metrics, tmp / "drafter", verifier=local_verifier(params))
         vllm_check = check_in_vllm(cfg.vllm_check, out, local_verifier(params), k or int(params.get("ttt_steps", 3)))
         tracking.log_params_once({"export.layout": cfg.layout, "export.registered_model": cfg.registered_model,
                                   "export.checkpoint": cfg.checkpoint, "export.vllm_check": vllm_check,
                                   **{k: v for k, v in lineage.items() if k != "ttt_steps"}})
-        # the drafter is an MLflow 3 LoggedModel: lineage as its params, the finetune run's metrics on it
-        logged = mlflow.initialize_logged_model(
-            name=lin.logged_model_name(cfg.registered_model), source_run_id=active.info.run_id,
-            model_type="eagle3-drafter", params={k: str(v) for k, v in lineage.items()},
-            tags={"draftline.kind": "drafter", "draftline.finetune.run_id": ft_id})
-        try:
-            with in_store(logged.artifact_location):
-                manifest = upload_with_checksums(out, logged.model_id)
-                export_sha = manifest_digest(manifest)
-            if cfg.layout == "midlayer":
-                with in_tmp(tmp / "midlayer"):
-                    write_midlayer(model, tmp / "midlayer", params)
-                check_reload(model, tmp / "midlayer", local_verifier(params))  # init=<that dir> gives these weights
-                with in_store(f"{active.info.artifact_uri}/midlayer"):
-                    mlflow.log_artifacts(str(tmp / "midlayer"), artifact_path="midlayer")
-            last = int(params.get("train.steps", 0))
-            for key, v in metrics.items():  # the finetune run's final values, attached to the model
-                client.log_metric(active.info.run_id, key, v, step=last, model_id=logged.model_id)
-            attach(evaluated, logged.model_id)  # evaluations of this checkpoint, linked to their data sets
-            mlflow.set_logged_model_tags(logged.model_id, {"export.sha256": export_sha, "export.validated": "true"})
-            mlflow.finalize_logged_model(logged.model_id, "READY")
-        except BaseException:
-            with contextlib.suppress(Exception):
-                mlflow.finalize_logged_model(logged.model_id, "FAILED")
-            raise
-        tags = {**lineage, "export.sha256": export_sha, "export.validated": "true", "export.vllm_check": vllm_check,
-                "export.run_id": active.info.run_id, **versions.checksums_tag(manifest),
-                **{f"metric.{k}": f"{v:.4f}" for k, v in metrics.items()}}
-        mlflow.set_tags({"export.sha256": export_sha, "export.validated": "true",
-                         "draftline.model_id": logged.model_id})
-        description = versions.describe(lineage)
-        version = versions.register(client, cfg.registered_model, model_id=logged.model_id,
-                                    run_id=active.info.run_id, tags=tags, description=description)
-        mlflow.set_tags({"draftline.model_version": f"models:/{cfg.registered_model}/{version.version}",
-                         "mlflow.runName": f"export → {cfg.registered_model} v{version.version}",
-                         "mlflow.note.content": description})
-    return {"run_id": active.info.run_id, "model_uri": f"models:/{cfg.registered_model}/{version.version}",
-            "version": str(version.version)}
+        model_id, manifest = _log_model(client, cfg, active, model, out, tmp, ft, lineage, metrics, evaluated)
+        version = _register(client, cfg, active, model_id, manifest, lineage, metrics, vllm_check)
+    return {"run_id": active.info.run_id, "model_uri": f"models:/{cfg.registered_model}/{version}",
+            "version": version}
 
+
+def _finished_finetune(client, ref: str):
+    """The finished finetune run ``ref`` names, or one error saying what it is instead."""
+    ft_id = tracking.parse_run_ref(ref)[0]
+    try:
+        ft = client.get_run(ft_id)
+    except Exception:  # noqa: BLE001
+        raise DataError(f"finetune run {ft_id} does not exist on {tracking.tracking_uri()}") from None
+    if ft.info.status != "FINISHED" or ft.data.tags.get("draftline.step") != "finetune":
+        raise DataError(f"run {ft_id} is not a finished finetune run (status {ft.info.status}, step "
+                        f"{ft.data.tags.get('draftline.step')}); export a finetune run that finished")
+    return ft
+
+
+def _trained_drafter(ft, cfg: ExportConfig, tmp: Path):
+    """The checkpoint's drafter, rebuilt from the run's weights hand-off, and the lineage its version carries:
+    ``(model, lineage, step)``."""
+    params = ft.data.params
+    with in_tmp(tmp):
+        where, state, step = fetch_weights(ft, cfg.checkpoint, tmp / "weights")
+    layer = json.loads((where / LAYER_FILE).read_text()) if (where / LAYER_FILE).is_file() else None
+    model = build_trained_model(state, params, layer)
+    del state
+    shutil.rmtree(tmp / "weights", ignore_errors=True)
+    lineage = {k: params[k] for k in lin.VERSION_TAG_PARAMS if k in params}
+    if step is not None:
+        lineage["checkpoint.step"] = str(step)
+    lineage["verifier.name_or_path"] = serving_id(cfg, params)
+    model.config.speculators_config.verifier.name_or_path = lineage["verifier.name_or_path"]
+    lineage.update({"finetune.run_id": ft.info.run_id, "ttt_steps": params.get("ttt_steps", "3")})
+    return model, lineage, step
+
+
+def _set_recommended_k(model, lineage: dict, evaluated: list[dict]) -> int | None:
+    """The measured num_speculative_tokens, written where vLLM reads it (pull prints the same); None if unmeasured."""
+    found = recommended_k(evaluated, policy_set())
+    if not found:
+        return None
+    model.config.speculators_config.proposal_methods[0].speculative_tokens = found[0]
+    lineage["eval.recommended_num_speculative_tokens"] = str(found[0])
+    lineage["eval.recommended_num_speculative_tokens.set"] = found[1]
+    return found[0]
+
+
+def _write_checked(model, lineage: dict, metrics: dict, out: Path, *, verifier: str) -> Path:
+    """The speculators-format directory vLLM serves, written to ``out`` and checked against the model."""
+    try:
+        with in_tmp(out):
+            write_drafter(model, out, lineage, metrics)
+    except OSError as e:
+        raise DraftlineError(f"cannot write the export to {e.filename or out} ({e.strerror}): point TMPDIR "
+                             "at a writable directory") from None
+    validate(model, out, verifier_path=verifier)
+    return out
+
+
+def _log_model(client, cfg: ExportConfig, active, model, out: Path, tmp: Path, ft, lineage: dict, metrics: dict,
+               evaluated: list[dict]) -> tuple[str, dict]:
+    """The drafter as an MLflow 3 LoggedModel (lineage as its params, the finetune run's metrics and the
+    checkpoint's evaluations on it), READY only once every file is up; ``(model_id, checksums manifest)``."""
+    params = ft.data.params
+    logged = mlflow.initialize_logged_model(
+        name=lin.logged_model_name(cfg.registered_model), source_run_id=active.info.run_id,
+        model_type="eagle3-drafter", params={k: str(v) for k, v in lineage.items()},
+        tags={"draftline.kind": "drafter", "draftline.finetune.run_id": ft.info.run_id})
+    try:
+        with in_store(logged.artifact_location):
+            manifest = upload_with_checksums(out, logged.model_id)
+            export_sha = manifest_digest(manifest)
+        if cfg.layout == "midlayer":
+            with in_tmp(tmp / "midlayer"):
+                write_midlayer(model, tmp / "midlayer", params)
+            check_reload(model, tmp / "midlayer", local_verifier(params))  # init=<that dir> gives these weights
+            with in_store(f"{active.info.artifact_uri}/midlayer"):
+                mlflow.log_artifacts(str(tmp / "midlayer"), artifact_path="midlayer")
+        last = int(params.get("train.steps", 0))
+        for key, v in metrics.items():  # the finetune run's final values, attached to the model
+            client.log_metric(active.info.run_id, key, v, step=last, model_id=logged.model_id)
+        attach(evaluated, logged.model_id)  # evaluations of this checkpoint, linked to their data sets
+        mlflow.set_logged_model_tags(logged.model_id, {"export.sha256": export_sha, "export.validated": "true"})
+        mlflow.finalize_logged_model(logged.model_id, "READY")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            mlflow.finalize_logged_model(logged.model_id, "FAILED")
+        raise
+    return logged.model_id, manifest
+
+
+def _register(client, cfg: ExportConfig, active, model_id: str, manifest: dict, lineage: dict, metrics: dict,
+              vllm_check: str) -> str:
+    """The registry version of the logged model, its lineage and checksums as tags; its number."""
+    export_sha = manifest_digest(manifest)
+    tags = {**lineage, "export.sha256": export_sha, "export.validated": "true", "export.vllm_check": vllm_check,
+            "export.run_id": active.info.run_id, **versions.checksums_tag(manifest),
+            **{f"metric.{k}": f"{v:.4f}" for k, v in metrics.items()}}
+    mlflow.set_tags({"export.sha256": export_sha, "export.validated": "true", "draftline.model_id": model_id})
+    description = versions.describe(lineage)
+    version = versions.register(client, cfg.registered_model, model_id=model_id, run_id=active.info.run_id,
+                                tags=tags, description=description)
+    mlflow.set_tags({"draftline.model_version": f"models:/{cfg.registered_model}/{version.version}",
+                     "mlflow.runName": f"export → {cfg.registered_model} v{version.version}",
+                     "mlflow.note.content": description})
+    return str(version.version)
 
 
 def recommended_k(evaluated: list[dict], preferred_set: str | None = None) -> tuple[int, str] | None:
