@@ -28,7 +28,7 @@ from draftline.data.capture import iter_hidden_states
 from draftline.data.capture_vllm import iter_hidden_states_vllm, loopback_capture_server, probe_capture
 from draftline.data.conversations import is_prompt, load_conversations, select_categories, source_digest
 from draftline.data.regenerate import probe, regenerate, served_models
-from draftline.data.tokenize import tokenize_conversations
+from draftline.data.tokenize import TokenizedSample, tokenize_conversations
 from draftline.errors import DataError
 from draftline.registry import lineage
 from draftline.registry.lineage import verifier_identity
@@ -93,13 +93,7 @@ def prepare_key(cfg: PrepareConfig) -> str:
 def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key: str | None = None) -> dict:
     """Write shards, token frequencies and the manifest into ``out_dir``; returns the manifest. Finished
     shards already in ``out_dir`` for the same inputs and settings are kept and the capture resumes after them."""
-    convs = load_conversations(cfg.conversations, prompts=bool(cfg.regenerate_endpoint),
-                               skip_bad=cfg.skip_bad_records)
-    for where, why in convs.skipped[:20]:
-        log.warning("skipped record %s of %s: %s", where, cfg.conversations, why)
-    samples = select_categories(convs.samples, cfg.categories, cfg.conversations)
-    samples = samples[: cfg.max_samples] if cfg.max_samples else samples
-    categories = dict(sorted(Counter(s["category"] for s in samples if "category" in s).items()))
+    samples, categories, skipped = _select_samples(cfg)
     prompts = sum(map(is_prompt, samples))
     regenerated = _regenerate(cfg, cfg.regenerate_endpoint, samples, progress) if cfg.regenerate_endpoint else None
     if regenerated:
@@ -107,6 +101,34 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
         regenerated["prompts"] = prompts  # samples that came without an assistant turn
 
     verifier_path = resolve_verifier(cfg.verifier)
+    tokenized = _tokenize(cfg, verifier_path, samples, regenerated)
+    config = verifier_config(verifier_path)
+    aux = resolve_aux_layers(cfg.aux_layers, config.num_hidden_layers)
+    writer = _shard_writer(cfg, out_dir, key, tokenized, config.vocab_size)
+    _capture(cfg, writer, verifier_path, config, tokenized, aux, progress)
+    save_file({"freqs": writer.freqs}, str(out_dir / shards.FREQS))
+    manifest = _manifest(cfg, out_dir, verifier_path, config, aux, writer.entries, skipped=skipped,
+                         categories=categories, regenerated=regenerated)
+    return shards.write_manifest(out_dir, manifest)
+
+
+def _select_samples(cfg: PrepareConfig) -> tuple[list[dict], dict[str, int], int]:
+    """``(samples, samples per category, records skipped)``: the conversations read (bad records skipped where
+    allowed, each logged), of the chosen categories, at most ``max_samples``."""
+    convs = load_conversations(cfg.conversations, prompts=bool(cfg.regenerate_endpoint),
+                               skip_bad=cfg.skip_bad_records)
+    for where, why in convs.skipped[:20]:
+        log.warning("skipped record %s of %s: %s", where, cfg.conversations, why)
+    samples = select_categories(convs.samples, cfg.categories, cfg.conversations)
+    samples = samples[: cfg.max_samples] if cfg.max_samples else samples
+    categories = dict(sorted(Counter(s["category"] for s in samples if "category" in s).items()))
+    return samples, categories, len(convs.skipped)
+
+
+def _tokenize(cfg: PrepareConfig, verifier_path: str, samples: list[dict],
+              regenerated: dict | None) -> list[TokenizedSample]:
+    """The samples tokenised by the verifier's tokenizer; ``regenerated`` (when given) gains how many assistant
+    turns were tokenised from the server's token ids."""
     tokenizer = hf_model.load_tokenizer(verifier_path)
     tokenized = tokenize_conversations(samples, tokenizer, cfg.max_length)
     if regenerated:
@@ -118,11 +140,13 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     if not tokenized:
         raise DataError(f"no conversation in {cfg.conversations} has an assistant token within "
                         f"max_length={cfg.max_length}")
-    config = verifier_config(verifier_path)
-    num_layers = config.num_hidden_layers
-    aux = resolve_aux_layers(cfg.aux_layers, num_layers)
+    return tokenized
 
-    vocab = config.vocab_size
+
+def _shard_writer(cfg: PrepareConfig, out_dir: Path, key: str | None, tokenized: list[TokenizedSample],
+                  vocab: int) -> shards.ShardWriter:
+    """The writer of ``out_dir``'s shards, keyed by the inputs, the settings and the samples: finished shards
+    of the same key are kept, and the capture resumes after them."""
     # the samples themselves are part of the key: a regeneration that failed for some conversations in one
     # run and not in the next must not resume shards cut from another sample list
     samples_digest = hashlib.sha256()
@@ -133,6 +157,12 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     if writer.done_samples:
         log.warning("resuming the hidden-state capture in %s after %d finished shards (%d samples)",
                     out_dir, len(writer.entries), writer.done_samples)
+    return writer
+
+
+def _capture(cfg: PrepareConfig, writer: shards.ShardWriter, verifier_path: str, config,
+             tokenized: list[TokenizedSample], aux: list[int], progress: bool) -> None:
+    """The verifier's hidden states of every sample not yet in a finished shard, into ``writer``'s shards."""
     total_tokens = sum(len(t.input_ids) for t in tokenized)
     stream = _hidden_state_stream(cfg, verifier_path, config, tokenized[writer.done_samples:], aux)
     with tqdm(total=total_tokens, initial=writer.done_tokens, desc="verifier hidden states", unit="tok",
@@ -143,10 +173,13 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
             if i % cfg.batch_size == 0:  # shards close on batch boundaries: a resumed run batches alike
                 writer.boundary()
         writer.boundary(final=True)
-    entries, freqs = writer.entries, writer.freqs
-    save_file({"freqs": freqs}, str(out_dir / shards.FREQS))
+
+
+def _manifest(cfg: PrepareConfig, out_dir: Path, verifier_path: str, config, aux: list[int], entries: list[dict],
+              *, skipped: int, categories: dict[str, int], regenerated: dict | None) -> dict:
+    """The data set's manifest: the verifier, the shapes, the counts, the source and every shard."""
     hidden = config.hidden_size
-    manifest = {
+    return {
         "format_version": shards.FORMAT_VERSION,
         "verifier": verifier_path,
         "verifier_name": cfg.verifier,
@@ -155,9 +188,9 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
                    verifier_identity(verifier_path, cfg.verifier, cfg.verifier_id), strict=True)),
         "verifier_trust_remote_code": hf_model.is_trusted(verifier_path),
         **{f"verifier_{k}": v for k, v in hf_model.describe(verifier_path).items()},
-        "num_hidden_layers": num_layers,
+        "num_hidden_layers": config.num_hidden_layers,
         "hidden_size": hidden,
-        "vocab_size": vocab,
+        "vocab_size": config.vocab_size,
         "aux_layer_ids": aux,
         "dtype": "bfloat16",
         "capture_backend": cfg.capture_backend,
@@ -166,14 +199,13 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
         "samples": sum(e["samples"] for e in entries),
         "tokens": sum(e["tokens"] for e in entries),
         "masked_tokens": sum(e["masked_tokens"] for e in entries),
-        "skipped_records": len(convs.skipped),
+        "skipped_records": skipped,
         **({"categories": categories} if categories else {}),  # samples per category, as given to tokenisation
         "source": str(Path(cfg.conversations).resolve()),
         "location": str(Path(out_dir).resolve()),
         "shards": entries,
         **({"regenerated": regenerated} if regenerated else {}),
     }
-    return shards.write_manifest(out_dir, manifest)
 
 
 def _hidden_state_stream(cfg: PrepareConfig, verifier_path: str, config, samples, aux: list[int]):

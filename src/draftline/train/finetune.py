@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
 
@@ -22,9 +23,9 @@ from draftline.console import say
 from draftline.data.refs import dataset_name, resolve_data
 from draftline.data.shards import PreparedData, open_prepared
 from draftline.drafter import handoff
-from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header, read_tensors
+from draftline.drafter.checkpoints import CheckpointFiles, detect_layout, find_checkpoint, read_header, read_tensors
 from draftline.drafter.model import LAYER_FILE, PAIRING
-from draftline.drafter.parents import resolve_init
+from draftline.drafter.parents import Parent, resolve_init
 from draftline.drafter.shape import key_remap, layer_config, verifier_config
 from draftline.drafter.vocab import build_vocab, plan_remap
 from draftline.errors import CheckpointError, ConfigError, DataError
@@ -214,8 +215,62 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     """The finetune stage as one MLflow run; ``resume_run`` continues a run from its last checkpoint."""
     tracking.setup()
     ranks, on_cpu = resolve_ranks(cfg.gpus)
+    inputs = _resolve_inputs(cfg, resume_run, ranks=ranks, on_cpu=on_cpu)  # before the run exists
+    cfg, parent, manifest, layer = inputs.cfg, inputs.parent, inputs.data.manifest, inputs.layer
 
-    # the inputs are found before the run exists: a typo (init, data, stage, path) leaves no failed run behind
+    with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune from {parent.name}",
+                                               run_id=resume_run, system_metrics=True) as active:
+        run_id = active.info.run_id
+        say(f"finetune run {run_id}: {tracking.run_link(active.info.experiment_id, run_id)}")
+        if inputs.measured:
+            say(f"precision: {inputs.chosen.precision} ({inputs.chosen.reason})")
+        work = work_dir() / run_id
+        work.mkdir(parents=True, exist_ok=True)
+        sha = files_digest(inputs.files.weights) if inputs.files else "none"
+        vocab_file = work / "vocab.safetensors"
+        save_file({k: v.contiguous() for k, v in inputs.vocab.items()}, str(vocab_file))
+
+        params = _run_params(inputs, sha=sha, ranks=ranks)
+        tracking.log_params_once(params, run_id)
+        _record_lineage(inputs, params, sha=sha, ranks=ranks, run_id=run_id,
+                        experiment_id=active.info.experiment_id, resumed=bool(resume_run))
+
+        ckpt_dir = work / "checkpoints"
+        ckpt_dir.mkdir(exist_ok=True)
+        spec = _worker_spec(inputs, run_id=run_id, work=work, ckpt_dir=ckpt_dir, vocab_file=vocab_file)
+        (ckpt_dir / LAYER_FILE).write_text(json.dumps(layer, indent=2, sort_keys=True) + "\n")  # export reads it
+        record_plan(cfg, ranks, on_cpu, manifest["verifier"], inputs.counts["draft_size"], manifest["aux_layer_ids"],
+                    run_id, layer)  # prints one line, logs plan.json and plan.fits
+        launch(spec, work / "worker_spec.json", ranks=ranks, on_cpu=on_cpu, hostfile=cfg.hostfile)
+
+        selected = _log_results(inputs, params, run_id=run_id, work=work, ckpt_dir=ckpt_dir)
+    return {"run_id": run_id, "weights_uri": f"runs:/{run_id}/{handoff.WEIGHTS}",
+            "checkpoint": f"{selected['selected']} (step {selected['step']})"}
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What finetune resolved and checked before its run exists (``cfg`` with its precision chosen)."""
+
+    cfg: FinetuneConfig
+    data: PreparedData
+    data_run_id: str | None
+    eval_data: PreparedData | None
+    parent: Parent
+    files: CheckpointFiles | None  # the parent's checkpoint (None: a random init)
+    layout: str
+    remap: str
+    vocab: dict
+    counts: dict[str, int]
+    layer: dict
+    chosen: precision.Choice
+    measured: bool  # the precision was "auto"
+    conf: dict  # the DeepSpeed config the ranks run
+
+
+def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, on_cpu: bool) -> _Inputs:
+    """Data, parent, vocabulary, layer, precision and DeepSpeed config, found and checked before the run exists:
+    a typo (init, data, stage, path) or any other mistake leaves no failed run behind."""
     if resume_run:
         check_resumable(resume_run)
     data_run_id = tracking.parse_run_ref(cfg.data)[0] if cfg.data.startswith("runs:/") else None
@@ -227,10 +282,9 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
         eval_data = open_prepared(resolve_data(cfg.eval_data), verify=True)
         preflight.check_same_verifier(manifest, eval_data.manifest, cfg.eval_data)
     parent = resolve_init(cfg.init, cache=work_dir() / "cache")
-    # every check that needs no rank lives in train/preflight.py and runs here, before the run exists, so a
-    # mistake leaves no FAILED run behind
+    # every check that needs no rank lives in train/preflight.py and runs here, before the run exists
     preflight.check_inputs(cfg, data)
-    files, layout, sha, remap, header = None, "none", "none", "none", None
+    files, layout, remap, header = None, "none", "none", None
     if parent.path is not None:  # not a random init
         files = find_checkpoint(parent.path, allow_pickle=cfg.allow_pickle)
         header = read_header(files)
@@ -249,94 +303,97 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
     cfg = cfg.model_copy(update={"precision": chosen.precision})
     conf = ds_config(cfg)
     gpus, nodes = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, 1)
-    preflight.check_ds_config(conf, ds_config_path(cfg), world_size=gpus * nodes)  # DeepSpeed's own rules, before the run
+    # DeepSpeed's own rules, before the run
+    preflight.check_ds_config(conf, ds_config_path(cfg), world_size=gpus * nodes)
+    return _Inputs(cfg=cfg, data=data, data_run_id=data_run_id, eval_data=eval_data, parent=parent, files=files,
+                   layout=layout, remap=remap, vocab=vocab, counts=counts, layer=layer, chosen=chosen,
+                   measured=measured, conf=conf)
 
-    with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune from {parent.name}",
-                                               run_id=resume_run, system_metrics=True) as active:
-        run_id = active.info.run_id
-        say(f"finetune run {run_id}: {tracking.run_link(active.info.experiment_id, run_id)}")
-        if measured:
-            say(f"precision: {chosen.precision} ({chosen.reason})")
-        work = work_dir() / run_id
-        work.mkdir(parents=True, exist_ok=True)
-        if files:
-            sha = files_digest(files.weights)
-        vocab_file = work / "vocab.safetensors"
-        save_file({k: v.contiguous() for k, v in vocab.items()}, str(vocab_file))
 
-        params = {
-            **lineage.parent_params(parent, sha256=sha, layout=layout, key_remap=remap),
-            "vocab.policy": cfg.vocab if not parent.is_random else "rebuild",
-            "vocab.draft_size": counts["draft_size"],
-            "vocab.kept": counts["kept"], "vocab.added": counts["added"], "vocab.dropped": counts["dropped"],
-            **lineage.verifier_params(manifest),
-            "data.digest": manifest["digest"],
-            "data.uri": cfg.data,
-            "zero.stage": cfg.zero_stage,
-            "world_size": ranks,
-            "ttt_steps": cfg.ttt_steps,
-            **optimizer_params(conf),
-            "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
-            "train.precision": cfg.precision, "train.precision_choice": chosen.reason,
-            "train.lr_schedule": cfg.lr_schedule,
-            "train.ttt_loss_decay": cfg.ttt_loss_decay, "train.hidden_noise": cfg.hidden_noise,
-            "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl,
-            "train.val_fraction": cfg.val_fraction if eval_data is None else 0.0,
-            "train.pairing": PAIRING,
-            "eval.data.digest": eval_data.manifest["digest"] if eval_data is not None else "none",
-        }
-        tracking.log_params_once(params, run_id)
-        origin = "random init" if parent.is_random else (
-            f"{parent.name} v{parent.revision}" if parent.model_version else parent.name)
-        mlflow.set_tags({**lineage.parent_tags(parent, data_run_id), **lineage.environment_tags(),
-                         "mlflow.runName": f"finetune from {origin}",
-                         "mlflow.note.content": (
-                             f"EAGLE-3 drafter for {params['verifier.name_or_path']}, from {origin}"
-                             + ("" if parent.is_random else f" (sha256 {sha[:12]}, {layout} layout)")
-                             + f", on data {manifest['digest'][:12]} (vocabulary {params['vocab.policy']}); "
-                             f"ZeRO-{cfg.zero_stage} on {ranks} rank(s), {cfg.steps} steps, pairing {PAIRING}.")})
-        if not resume_run:  # the data set and the parent model as the run's inputs (the UI links them)
-            client = mlflow.MlflowClient()
-            lineage.record_inputs(run_id, manifest=manifest, data_name=dataset_name(client, cfg.data),
-                                  parent_model=lineage.parent_model_id(client, parent, sha256=sha, layout=layout,
-                                                                       experiment_id=active.info.experiment_id))
+def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
+    """The run's params: the parent's lineage, the vocabulary, the verifier, the data and the training settings."""
+    cfg, parent, counts, eval_data = inputs.cfg, inputs.parent, inputs.counts, inputs.eval_data
+    manifest = inputs.data.manifest
+    return {
+        **lineage.parent_params(parent, sha256=sha, layout=inputs.layout, key_remap=inputs.remap),
+        "vocab.policy": cfg.vocab if not parent.is_random else "rebuild",
+        "vocab.draft_size": counts["draft_size"],
+        "vocab.kept": counts["kept"], "vocab.added": counts["added"], "vocab.dropped": counts["dropped"],
+        **lineage.verifier_params(manifest),
+        "data.digest": manifest["digest"],
+        "data.uri": cfg.data,
+        "zero.stage": cfg.zero_stage,
+        "world_size": ranks,
+        "ttt_steps": cfg.ttt_steps,
+        **optimizer_params(inputs.conf),
+        "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
+        "train.precision": cfg.precision, "train.precision_choice": inputs.chosen.reason,
+        "train.lr_schedule": cfg.lr_schedule,
+        "train.ttt_loss_decay": cfg.ttt_loss_decay, "train.hidden_noise": cfg.hidden_noise,
+        "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl,
+        "train.val_fraction": cfg.val_fraction if eval_data is None else 0.0,
+        "train.pairing": PAIRING,
+        "eval.data.digest": eval_data.manifest["digest"] if eval_data is not None else "none",
+    }
 
-        ckpt_dir = work / "checkpoints"
-        ckpt_dir.mkdir(exist_ok=True)
-        spec = WorkerSpec(
-            run_id=run_id, data_dir=str(data.root), verifier=manifest["verifier"],
-            aux_layer_ids=manifest["aux_layer_ids"], layer=layer, vocab_file=str(vocab_file),
-            vocab_policy=cfg.vocab, parent_path=str(parent.path) if parent.path else None,
-            allow_pickle=cfg.allow_pickle, steps=cfg.steps, ttt_steps=cfg.ttt_steps,
-            tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed,
-            precision=cast(Literal["bf16", "fp32"], cfg.precision),  # precision.choose resolved auto above
-            ttt_loss_decay=cfg.ttt_loss_decay, hidden_noise=cfg.hidden_noise,
-            save_every=cfg.save_every, log_every=cfg.log_every, attn_impl=cfg.attn_impl,
-            val_fraction=cfg.val_fraction, val_every=cfg.val_every, ds_config=conf, checkpoint_dir=str(ckpt_dir),
-            eval_data_dir=str(eval_data.root) if eval_data is not None else None,
-            load_report=str(work / "parent_load_report.json"), error_file=str(work / "rank_error.json"),
-            stop_file=str(work / "stop"), metrics_file=str(work / "metrics.jsonl"))
-        (ckpt_dir / LAYER_FILE).write_text(json.dumps(layer, indent=2, sort_keys=True) + "\n")  # export reads it
-        record_plan(cfg, ranks, on_cpu, manifest["verifier"], counts["draft_size"], manifest["aux_layer_ids"],
-                    run_id, layer)  # prints one line, logs plan.json and plan.fits
-        launch(spec, work / "worker_spec.json", ranks=ranks, on_cpu=on_cpu, hostfile=cfg.hostfile)
 
-        meta = lineage.training_metadata(params, counts, extra={"finetune_run_id": run_id,
-                                                                 "data_run_id": data_run_id})
-        lineage.write_json(ckpt_dir / lineage.METADATA_FILE, meta)
-        (work / "training_config.json").write_text(cfg.model_dump_json(indent=2))
-        mlflow.log_artifact(str(ckpt_dir / lineage.METADATA_FILE))
-        mlflow.log_artifact(str(work / "training_config.json"))
-        if (work / "parent_load_report.json").is_file():
-            mlflow.log_artifact(str(work / "parent_load_report.json"))
-        selected = hand_off(ckpt_dir, work / handoff.WEIGHTS, layer, meta)
-        mlflow.log_artifacts(str(work / handoff.WEIGHTS), artifact_path=handoff.WEIGHTS)
-        mlflow.set_tags(handoff.run_tags(selected))
-        if cfg.log_checkpoints:
-            mlflow.log_artifacts(str(ckpt_dir), artifact_path="checkpoints")
-        log_accuracy_chart(run_id, cfg.ttt_steps)
-    return {"run_id": run_id, "weights_uri": f"runs:/{run_id}/{handoff.WEIGHTS}",
-            "checkpoint": f"{selected['selected']} (step {selected['step']})"}
+def _record_lineage(inputs: _Inputs, params: dict, *, sha: str, ranks: int, run_id: str, experiment_id: str,
+                    resumed: bool) -> None:
+    """The run's lineage tags and note; a new run also records the data set and the parent model as inputs."""
+    cfg, parent, manifest = inputs.cfg, inputs.parent, inputs.data.manifest
+    origin = "random init" if parent.is_random else (
+        f"{parent.name} v{parent.revision}" if parent.model_version else parent.name)
+    mlflow.set_tags({**lineage.parent_tags(parent, inputs.data_run_id), **lineage.environment_tags(),
+                     "mlflow.runName": f"finetune from {origin}",
+                     "mlflow.note.content": (
+                         f"EAGLE-3 drafter for {params['verifier.name_or_path']}, from {origin}"
+                         + ("" if parent.is_random else f" (sha256 {sha[:12]}, {inputs.layout} layout)")
+                         + f", on data {manifest['digest'][:12]} (vocabulary {params['vocab.policy']}); "
+                         f"ZeRO-{cfg.zero_stage} on {ranks} rank(s), {cfg.steps} steps, pairing {PAIRING}.")})
+    if not resumed:  # the data set and the parent model as the run's inputs (the UI links them)
+        client = mlflow.MlflowClient()
+        lineage.record_inputs(run_id, manifest=manifest, data_name=dataset_name(client, cfg.data),
+                              parent_model=lineage.parent_model_id(client, parent, sha256=sha, layout=inputs.layout,
+                                                                   experiment_id=experiment_id))
+
+
+def _worker_spec(inputs: _Inputs, *, run_id: str, work: Path, ckpt_dir: Path, vocab_file: Path) -> WorkerSpec:
+    """Everything a rank needs, in one spec (files in ``work``, checkpoints in ``ckpt_dir``)."""
+    cfg, manifest, eval_data = inputs.cfg, inputs.data.manifest, inputs.eval_data
+    return WorkerSpec(
+        run_id=run_id, data_dir=str(inputs.data.root), verifier=manifest["verifier"],
+        aux_layer_ids=manifest["aux_layer_ids"], layer=inputs.layer, vocab_file=str(vocab_file),
+        vocab_policy=cfg.vocab, parent_path=str(inputs.parent.path) if inputs.parent.path else None,
+        allow_pickle=cfg.allow_pickle, steps=cfg.steps, ttt_steps=cfg.ttt_steps,
+        tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed,
+        precision=cast(Literal["bf16", "fp32"], cfg.precision),  # precision.choose resolved auto
+        ttt_loss_decay=cfg.ttt_loss_decay, hidden_noise=cfg.hidden_noise,
+        save_every=cfg.save_every, log_every=cfg.log_every, attn_impl=cfg.attn_impl,
+        val_fraction=cfg.val_fraction, val_every=cfg.val_every, ds_config=inputs.conf, checkpoint_dir=str(ckpt_dir),
+        eval_data_dir=str(eval_data.root) if eval_data is not None else None,
+        load_report=str(work / "parent_load_report.json"), error_file=str(work / "rank_error.json"),
+        stop_file=str(work / "stop"), metrics_file=str(work / "metrics.jsonl"))
+
+
+def _log_results(inputs: _Inputs, params: dict, *, run_id: str, work: Path, ckpt_dir: Path) -> dict:
+    """After the ranks: metadata, config and load report, the handed-on weights (and the checkpoints when
+    asked), the accuracy chart. Returns the selected checkpoint."""
+    cfg = inputs.cfg
+    meta = lineage.training_metadata(params, inputs.counts, extra={"finetune_run_id": run_id,
+                                                                    "data_run_id": inputs.data_run_id})
+    lineage.write_json(ckpt_dir / lineage.METADATA_FILE, meta)
+    (work / "training_config.json").write_text(cfg.model_dump_json(indent=2))
+    mlflow.log_artifact(str(ckpt_dir / lineage.METADATA_FILE))
+    mlflow.log_artifact(str(work / "training_config.json"))
+    if (work / "parent_load_report.json").is_file():
+        mlflow.log_artifact(str(work / "parent_load_report.json"))
+    selected = hand_off(ckpt_dir, work / handoff.WEIGHTS, inputs.layer, meta)
+    mlflow.log_artifacts(str(work / handoff.WEIGHTS), artifact_path=handoff.WEIGHTS)
+    mlflow.set_tags(handoff.run_tags(selected))
+    if cfg.log_checkpoints:
+        mlflow.log_artifacts(str(ckpt_dir), artifact_path="checkpoints")
+    log_accuracy_chart(run_id, cfg.ttt_steps)
+    return selected
 
 
 def hand_off(ckpt_dir: Path, out: Path, layer: dict, meta: dict) -> dict:

@@ -14,7 +14,10 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,13 +112,61 @@ def no_shm_allreduce() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one place, as nanoGPT keeps it)
+def train(spec: WorkerSpec) -> None:
+    """One rank's training: distributed init, data, model, engine, resume, then the step loop."""
     import deepspeed  # noqa: PLC0415 (deepspeed: slow, and prints an accelerator warning at import)
 
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     if not on_gpu:
         no_shm_allreduce()
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    here = _place_rank(spec, on_gpu)
+    records, val_records, shards = _open_data(spec, here)
+    model = _build_model(spec, here)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model),
+                                           config=spec.ds_config)
+    ckpt_dir = Path(spec.checkpoint_dir)
+    start_step = _resume(engine, ckpt_dir, here.rank)
+
+    best = read_best(ckpt_dir)
+    stop = install_rank_handlers()  # SIGTERM/SIGINT, or the launcher's stop file: save, then exit
+    client, run_id = _metrics_sink(spec, here.rank)
+    run = _Run(spec=spec, here=here, engine=engine, cfg=loss_config(), ckpt_dir=ckpt_dir, client=client,
+               run_id=run_id, val_records=val_records)
+    packed = _batch_stream(records, spec, here, start_step)
+    if val_records and start_step == 0:  # the parent (or the random init), measured before it changes
+        _log_start_validation(run)
+    engine.train()
+    _train_loop(run, packed, start_step, best, shards, stop)
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """Where this rank runs: its place among the ranks, its device, and the dtype it trains in."""
+
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype
+    on_gpu: bool
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What the loop's steps share once the engine is built (``client`` None: this rank logs no metrics)."""
+
+    spec: WorkerSpec
+    here: _Rank
+    engine: Any
+    cfg: Any
+    ckpt_dir: Path
+    client: MetricsFile | MlflowClient | None
+    run_id: str | None
+    val_records: list
+
+
+def _place_rank(spec: WorkerSpec, on_gpu: bool) -> _Rank:
+    """This rank's number, world size and device (selected on a GPU); seeds torch and picks the dtype."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}") if on_gpu else torch.device("cpu")
@@ -123,20 +174,28 @@ def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one pl
         torch.cuda.set_device(device)
     torch.manual_seed(spec.seed)
     dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
+    return _Rank(rank=rank, world=world, device=device, dtype=dtype, on_gpu=on_gpu)
 
-    # data: every rank memory-maps the same shards and takes its own batches
+
+def _open_data(spec: WorkerSpec, here: _Rank) -> tuple[list, list, ShardVerifier]:
+    """Training and validation records, and the verifier that hashes each shard once while training."""
+    # every rank memory-maps the same shards and takes its own batches
     data = open_prepared(Path(spec.data_dir))
-    shards = ShardVerifier(data, rank, world).start()  # each shard's sha256 once, while training
+    shards = ShardVerifier(data, here.rank, here.world).start()  # each shard's sha256 once, while training
     if spec.eval_data_dir:  # a fixed evaluation set (checked whole before launch): every training sample trains
         records, val_records = data.records(), open_prepared(Path(spec.eval_data_dir)).records()
     else:
         records, val_records = split_validation(data.records(), spec.val_fraction)
+    return records, val_records, shards
 
-    # model: built, cast, then the parent's weights copied in (never under zero.Init; see docs/design.md)
+
+def _build_model(spec: WorkerSpec, here: _Rank) -> torch.nn.Module:
+    """The drafter, on this rank's device: built, cast, then the parent's weights copied in (never under
+    zero.Init; see docs/design.md)."""
     vocab = load_file(spec.vocab_file)
     model = build_draft_model(spec.verifier, d2t=vocab["d2t"], t2d=vocab["t2d"],
                               aux_layer_ids=spec.aux_layer_ids, draft_vocab_size=int(vocab["d2t"].numel()),
-                              ttt_steps=spec.ttt_steps, attn_impl=spec.attn_impl, dtype=dtype,
+                              ttt_steps=spec.ttt_steps, attn_impl=spec.attn_impl, dtype=here.dtype,
                               layer=spec.layer)
     if spec.parent_path:
         parent_files = find_checkpoint(spec.parent_path, allow_pickle=spec.allow_pickle)
@@ -146,90 +205,135 @@ def train(spec: WorkerSpec) -> None:  # noqa: C901  (the training loop in one pl
             plan = VocabRemap(new_rows_from_old=vocab["new_rows_from_old"], kept=-1, added=-1, dropped=-1)
             remap = lambda old: remap_lm_head(old, plan, vocab["d2t"], full_head)  # noqa: E731
         report = load_into_model(model, parent_files, lm_head_remap=remap)
-        if rank == 0:
+        if here.rank == 0:
             Path(spec.load_report).write_text(json.dumps(report.__dict__, indent=2))
-    model.to(device)
+    model.to(here.device)
+    return model
 
-    ds_config = spec.ds_config
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable_parameters(model),
-                                           config=ds_config)
-    ckpt_dir = Path(spec.checkpoint_dir)
+
+def _resume(engine, ckpt_dir: Path, rank: int) -> int:
+    """The step to start at: the newest checkpoint's (loaded into ``engine``), else 0."""
     start_step = 0
     if (ckpt_dir / "latest").is_file():
         _, client_state = engine.load_checkpoint(str(ckpt_dir))
         start_step = int((client_state or {}).get("step", 0))
         if rank == 0:
             say(f"resumed from {ckpt_dir} at step {start_step}")
+    return start_step
 
-    best = read_best(ckpt_dir)
-    stop = install_rank_handlers()  # SIGTERM/SIGINT, or the launcher's stop file: save, then exit
-    run_id = spec.run_id if rank == 0 else None  # rank 0 logs the metrics (spec.run_id None: no logging)
+
+def _metrics_sink(spec: WorkerSpec, rank: int) -> tuple[MetricsFile | MlflowClient | None, str | None]:
+    """``(client, run_id)``: rank 0 logs the metrics (spec.run_id None: no logging); other ranks get Nones."""
+    run_id = spec.run_id if rank == 0 else None
     client = (MetricsFile(spec.metrics_file) if spec.metrics_file else MlflowClient()) \
         if run_id else None  # metrics go through a file the launching process relays
-    cfg = loss_config()
-    steps, ttt = spec.steps, spec.ttt_steps
-    stream = batches(records, spec.tokens_per_batch, seed=spec.seed, rank=rank, world_size=world,
+    return client, run_id
+
+
+def _batch_stream(records: list, spec: WorkerSpec, here: _Rank, start_step: int) -> Iterator[dict]:
+    """This rank's packed batches from ``start_step`` on, prepared on a background thread (pinned on a GPU)."""
+    stream = batches(records, spec.tokens_per_batch, seed=spec.seed, rank=here.rank, world_size=here.world,
                      start_step=start_step)
-    pin = (lambda b: {k: v.pin_memory() for k, v in b.items()}) if on_gpu else (lambda b: b)
-    packed = prefetch(pin(pack(records_of_step)) for records_of_step in stream)
-    if val_records and start_step == 0:  # the parent (or the random init), measured before it changes
-        val = validate(engine, val_records, spec, device, dtype, cfg, rank, world)
-        if client and run_id:
-            start = {f"val/{k}": v for k, v in val.items()}
-            if spec.parent_path:
-                start.update({f"parent.val/{k}": val[k] for k in ("acceptance_length", "full_acc_0") if k in val})
-            _log_metrics(client, run_id, start, 0)
-    engine.train()
+    pin = (lambda b: {k: v.pin_memory() for k, v in b.items()}) if here.on_gpu else (lambda b: b)
+    return prefetch(pin(pack(records_of_step)) for records_of_step in stream)
+
+
+def _validate(run: _Run) -> dict[str, float]:
+    """:func:`validate` on this run's held-out records, engine and rank."""
+    h = run.here
+    return validate(run.engine, run.val_records, run.spec, h.device, h.dtype, run.cfg, h.rank, h.world)
+
+
+def _log_start_validation(run: _Run) -> None:
+    """Validation before the first step, logged at step 0 (and as ``parent.val/`` over a parent)."""
+    val = _validate(run)
+    if run.client and run.run_id:
+        start = {f"val/{k}": v for k, v in val.items()}
+        if run.spec.parent_path:
+            start.update({f"parent.val/{k}": val[k] for k in ("acceptance_length", "full_acc_0") if k in val})
+        _log_metrics(run.client, run.run_id, start, 0)
+
+
+def _train_loop(run: _Run, packed: Iterator[dict], start_step: int, best: dict | None, shards: ShardVerifier,
+                stop: dict[str, bool]) -> None:
+    """Steps until ``spec.steps``: train, log, validate, check shards, checkpoint; exits 143 on a stop, saved."""
+    spec = run.spec
+    steps = spec.steps
     step, tick = start_step, time.perf_counter()
     window_tokens = 0
     while step < steps:
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(packed).items()}
-        batch["hidden_states"] = batch["hidden_states"].to(dtype)
-        batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(dtype)
-        if spec.hidden_noise:
-            batch["hidden_states"] = add_hidden_noise(batch["hidden_states"], spec.hidden_noise,
-                                                      len(spec.aux_layer_ids))
-        loss, metrics = forward(engine, batch, ttt, cfg, ttt_loss_decay=spec.ttt_loss_decay)
-        engine.backward(loss)
-        engine.step()
+        metrics, tokens = _train_step(run, next(packed))
         step += 1
-        window_tokens += int(batch["input_ids"].numel())
+        window_tokens += tokens
         if step % spec.log_every == 0 or step == steps:
-            sums = accumulate({"tokens": float(window_tokens)}, metrics)
-            sums = _all_reduce_sums(sums)
-            elapsed = time.perf_counter() - tick
-            if client and run_id:
-                out = {f"train/{k}": v for k, v in summarise(sums, ttt).items() if not k.startswith("tokens")}
-                out["train/lr"] = engine.get_lr()[0]
-                out["train/tokens_per_s"] = sums["tokens"] / max(elapsed, 1e-9)
-                _log_metrics(client, run_id, out, step)
+            _log_train_window(run, metrics, window_tokens, tick, step)
             tick, window_tokens = time.perf_counter(), 0
-        if val_records and (step % spec.val_every == 0 or step == steps):
-            val = validate(engine, val_records, spec, device, dtype, cfg, rank, world)
-            if client and run_id:
-                _log_metrics(client, run_id, {f"val/{k}": v for k, v in val.items()}, step)
-            if best is None or val["acceptance_length"] > best["value"]:  # kept beside the newest
-                best = {"step": step, "metric": "val/acceptance_length", "value": val["acceptance_length"]}
-                engine.save_checkpoint(str(ckpt_dir), tag=BEST_TAG, client_state={"step": step, "best": best},
-                                       save_latest=False)
-                if rank == 0:
-                    write_best(ckpt_dir, best)
-            engine.train()
+        if run.val_records and (step % spec.val_every == 0 or step == steps):
+            best = _validate_and_keep_best(run, best, step)
         if step == steps:
             shards.finish()  # a run does not end successfully before every shard was checked
         else:
             shards.check()
         stop["now"] = stop_requested(stop["now"], spec.stop_file)  # all ranks agree on the step to stop at
         if step % spec.save_every == 0 or step == steps or stop["now"]:
-            engine.save_checkpoint(str(ckpt_dir), tag=f"step{step}", client_state={"step": step})
-            if rank == 0:  # keep the newest checkpoint (and the best) only; save_checkpoint ends with a barrier
-                for old in ckpt_dir.glob("step*"):
-                    if old.name != f"step{step}":
-                        shutil.rmtree(old, ignore_errors=True)
+            _save_newest(run, step)
         if stop["now"]:
-            if rank == 0:
+            if run.here.rank == 0:
                 say(f"stop requested: saved step {step}")
             sys.exit(143)
+
+
+def _train_step(run: _Run, batch: dict) -> tuple[dict, int]:
+    """One forward, backward and optimiser step; the step's metrics and its token count."""
+    spec, device, dtype = run.spec, run.here.device, run.here.dtype
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    batch["hidden_states"] = batch["hidden_states"].to(dtype)
+    batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(dtype)
+    if spec.hidden_noise:
+        batch["hidden_states"] = add_hidden_noise(batch["hidden_states"], spec.hidden_noise,
+                                                  len(spec.aux_layer_ids))
+    loss, metrics = forward(run.engine, batch, spec.ttt_steps, run.cfg, ttt_loss_decay=spec.ttt_loss_decay)
+    run.engine.backward(loss)
+    run.engine.step()
+    return metrics, int(batch["input_ids"].numel())
+
+
+def _log_train_window(run: _Run, metrics: dict, window_tokens: int, tick: float, step: int) -> None:
+    """The last step's metrics and the window's throughput, all-reduced over the ranks and logged by rank 0."""
+    sums = accumulate({"tokens": float(window_tokens)}, metrics)
+    sums = _all_reduce_sums(sums)
+    elapsed = time.perf_counter() - tick
+    if run.client and run.run_id:
+        summary = summarise(sums, run.spec.ttt_steps)
+        out = {f"train/{k}": v for k, v in summary.items() if not k.startswith("tokens")}
+        out["train/lr"] = run.engine.get_lr()[0]
+        out["train/tokens_per_s"] = sums["tokens"] / max(elapsed, 1e-9)
+        _log_metrics(run.client, run.run_id, out, step)
+
+
+def _validate_and_keep_best(run: _Run, best: dict | None, step: int) -> dict | None:
+    """Validation at ``step``, logged; a better acceptance length than ``best`` is saved as the best checkpoint.
+    Returns the best so far."""
+    val = _validate(run)
+    if run.client and run.run_id:
+        _log_metrics(run.client, run.run_id, {f"val/{k}": v for k, v in val.items()}, step)
+    if best is None or val["acceptance_length"] > best["value"]:  # kept beside the newest
+        best = {"step": step, "metric": "val/acceptance_length", "value": val["acceptance_length"]}
+        run.engine.save_checkpoint(str(run.ckpt_dir), tag=BEST_TAG, client_state={"step": step, "best": best},
+                                   save_latest=False)
+        if run.here.rank == 0:
+            write_best(run.ckpt_dir, best)
+    run.engine.train()
+    return best
+
+
+def _save_newest(run: _Run, step: int) -> None:
+    """Checkpoint ``step``; rank 0 then deletes the older step checkpoints (the best one is kept)."""
+    run.engine.save_checkpoint(str(run.ckpt_dir), tag=f"step{step}", client_state={"step": step})
+    if run.here.rank == 0:  # keep the newest checkpoint (and the best) only; save_checkpoint ends with a barrier
+        for old in run.ckpt_dir.glob("step*"):
+            if old.name != f"step{step}":
+                shutil.rmtree(old, ignore_errors=True)
 
 
 if __name__ == "__main__":
