@@ -34,6 +34,7 @@ from draftline.serving import hf_model
 from draftline.tracking import log_params_once, tracking_uri
 from draftline.train import plan as planning
 from draftline.train import precision, preflight
+from draftline.train.charts import log_accuracy_chart
 from draftline.train.launcher import gpu_memory_gib, hostfile_shape, launch, resolve_ranks
 from draftline.train.signals import stop_on_signals
 from draftline.train.spec import WorkerSpec
@@ -125,35 +126,6 @@ def choose_vocab(cfg: FinetuneConfig, files, data, verifier_vocab: int) -> tuple
         counts.update(kept=plan.kept, added=plan.added, dropped=plan.dropped)
         vocab["new_rows_from_old"] = plan.new_rows_from_old
     return vocab, counts
-
-
-def log_accuracy_chart(run_id: str, ttt_steps: int) -> None:
-    """Per-position full/conditional accuracy at the end of training (val/ when there is validation); skipped,
-    saying so, where matplotlib is not installed (a chart never fails a finished run)."""
-    try:
-        import matplotlib  # noqa: PLC0415 (optional: matplotlib)
-    except ImportError:
-        say("per_position_accuracy.png not drawn: matplotlib is not installed")
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional: matplotlib)
-
-    metrics = MlflowClient().get_run(run_id).data.metrics
-    split = "val" if "val/full_acc_0" in metrics else "train"
-    ks = list(range(ttt_steps))
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    width = 0.38
-    ax.bar([k - width / 2 for k in ks], [metrics.get(f"{split}/full_acc_{k}", 0.0) for k in ks], width,
-           label="full_acc_k")
-    ax.bar([k + width / 2 for k in ks], [metrics.get(f"{split}/cond_acc_{k}", 0.0) for k in ks], width,
-           label="cond_acc_k")
-    ax.set(xlabel="draft position k", ylabel="accuracy", ylim=(0, 1), xticks=ks,
-           title=f"{split}: acceptance length {metrics.get(f'{split}/acceptance_length', float('nan')):.2f}")
-    ax.legend()
-    fig.tight_layout()
-    mlflow.log_figure(fig, "per_position_accuracy.png")
-    plt.close(fig)
 
 
 def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, draft_vocab_size: int,
