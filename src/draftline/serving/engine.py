@@ -33,7 +33,6 @@ from draftline.serving import hf_model
 from draftline.util import free_port
 
 PYTHON_ENV = "DRAFTLINE_VLLM_PYTHON"
-ARGS_ENV = VLLM_ARGS_ENV
 # the hidden-state connector vLLM loads by module path (vLLM's own, made CPU-safe): this folder goes on the
 # server's PYTHONPATH when it extracts hidden states
 PLUGINS = Path(__file__).parent / "vllm_plugins"
@@ -78,9 +77,9 @@ def vllm_python(required: bool = False) -> Path | None:
 def extra_vllm_args() -> list[str]:
     """The flags ``$DRAFTLINE_VLLM_ARGS`` carries to every vLLM draftline starts (shell-quoted)."""
     try:
-        return shlex.split(os.environ.get(ARGS_ENV, ""))
+        return shlex.split(os.environ.get(VLLM_ARGS_ENV, ""))
     except ValueError as e:
-        raise ConfigError(f"{ARGS_ENV} is not a valid shell-quoted list of vLLM flags ({e})") from None
+        raise ConfigError(f"{VLLM_ARGS_ENV} is not a valid shell-quoted list of vLLM flags ({e})") from None
 
 
 def cannot_draft_beside(verifier: str | Path) -> str | None:
