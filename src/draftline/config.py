@@ -95,7 +95,6 @@ class PrepareConfig(_Strict):
     regenerate_temperature: float = Field(0.0, ge=0.0, le=2.0, description="Sampling temperature for "
                                                                            "regeneration (0: greedy).")
 
-
     @field_validator("categories", mode="before")
     @classmethod
     def _categories(cls, v: object) -> object:

@@ -136,8 +136,6 @@ def speculative_generate(verifier, proposer, prompt: list[int], *, k: int, max_n
     The verifier keeps a ``DynamicCache`` (cropped after each rejection); its hidden states ``out.hidden_states[i]``
     (the input of decoder layer i, as prepare captures them) feed the proposer.
     """
-
-
     if k < 1:
         raise ValueError(f"num_speculative_tokens must be at least 1 (got {k})")
     eos = set(eos_token_ids)
@@ -222,7 +220,6 @@ def measure_chain(verifier, drafter, prompts: list[list[int]], *, k: int, max_ne
                   eos_token_ids: Iterable[int] = frozenset(), progress: bool = False) -> ChainResult:
     """Decode every prompt by greedy chain speculative decoding (``num_speculative_tokens = k``) and check each
     output against the verifier's own greedy output. ``seconds`` covers the speculative decoding only."""
-
     eos = set(eos_token_ids)
     proposer = Eagle3Proposer(drafter)
     counters = Counters(k)

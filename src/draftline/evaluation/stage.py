@@ -101,8 +101,6 @@ def backend_of(cfg: EvaluateConfig, verifier_dir: str) -> str:
 
 
 def _in_process(cfg: EvaluateConfig, drafter, verifier_dir: str, prompts, progress: bool):
-
-
     say(f"measuring {len(prompts)} prompts x {cfg.max_new_tokens} tokens by speculative decoding in this process, "
         f"k={cfg.num_speculative_tokens} ...")
     verifier = hf_model.load_causal_lm(verifier_dir, dtype=torch.float32)
@@ -293,7 +291,6 @@ def evaluations_for(client, finetune_run_id: str, step: int | None) -> list[dict
 
 def attach(found: list[dict], model_id: str) -> None:
     """Log ``found`` evaluations onto LoggedModel ``model_id``, each linked to its evaluation set."""
-
     for result in found:
         d = result["data"]
         dataset = lineage.data_set({"source": d["source"], "digest": d["digest"]}, d["name"])

@@ -58,7 +58,6 @@ def _finetune_run(client, ref: str):
 
 def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str) -> Target:
     """Find ``ref`` on local disk (downloading from MLflow where it lives there)."""
-
     client = MlflowClient()
     run = _finetune_run(client, ref.strip())
     if run is not None:

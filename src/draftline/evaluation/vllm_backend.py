@@ -25,9 +25,7 @@ def generate_all(endpoint: str, model: str, prompts: list[list[int]], *, max_new
                  tops: list | None = None) -> tuple[list[list[int]], float]:
     """Greedy completions of every prompt, ``concurrency`` in flight: ``(outputs in prompt order, seconds)``;
     each request's spec-decode statistics (or None) are appended to ``stats`` in prompt order, and with
-    ``tops``, each output's per-token top-2 choices and log-probabilities (:func:`complete_with_stats`)."""
-
-
+    ``tops``, each output's per-token top choices and their log-probabilities (:func:`complete_with_stats`)."""
     headers = auth_headers()
     start, tokens = time.perf_counter(), [0]
     with httpx.Client() as client, ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool, \

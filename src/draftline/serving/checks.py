@@ -16,11 +16,9 @@ PROBE_PROMPTS = ("Hello! Who are you?", "Write one sentence about the sea.", "Wh
 
 def check_serves(drafter_dir: Path | str, verifier_dir: Path | str, *, k: int = 3, max_new_tokens: int = 24,
                  python: Path | None = None) -> dict:
-    """Serve ``verifier_dir`` with the EAGLE-3 drafter ``drafter_dir`` (float32, loopback), complete a few
-    prompts (``ignore_eos``, so every step drafts) and require vLLM's spec-decode counters to have moved.
+    """Serve ``verifier_dir`` with the EAGLE-3 drafter ``drafter_dir`` (in the verifier's dtype, loopback),
+    complete a few prompts (``ignore_eos``, so every step drafts) and require vLLM's spec-decode counters to have moved.
     Raises :class:`EngineError` with vLLM's own error when it refuses the drafter."""
-
-
     spec = ServeSpec(model=str(verifier_dir), served_name="verifier", drafter=str(drafter_dir), k=k,
                      max_model_len=512)
     t0 = time.monotonic()
