@@ -38,7 +38,7 @@ from draftline.registry import evidence, lineage
 from draftline.registry.confidence import PER_PROMPT_FILE, acceptance_interval, carry_per_prompt
 from draftline.serving import hf_model
 from draftline.serving.engine import cannot_draft_beside, vllm_python
-from draftline.serving.vllm_support import ArchitectureNotServed, require_served
+from draftline.serving.vllm_support import require_served, unserved
 from draftline.util import interrupt_on_signals, same_command
 
 log = logging.getLogger(__name__)
@@ -87,13 +87,9 @@ def backend_of(cfg: EvaluateConfig, verifier_dir: str) -> str:
     if reason and cfg.backend == "vllm":
         raise UsageError(f"--backend vllm cannot measure here: {reason}; pass --backend transformers (or auto)")
     python = vllm_python(required=cfg.backend == "vllm")
-    if python is not None and not reason:
-        try:
-            require_served(verifier_dir, python, fix="pass --backend transformers (or auto)")
-        except ArchitectureNotServed as e:
-            if cfg.backend == "vllm":
-                raise
-            reason = str(e).split(":")[0]
+    if cfg.backend == "vllm":
+        require_served(verifier_dir, python, fix="pass --backend transformers (or auto)")
+    reason = reason or unserved(verifier_dir, python)
     if reason:
         say(f"measuring in this process: {reason}")
         return "transformers"

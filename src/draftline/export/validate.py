@@ -13,7 +13,7 @@ from draftline.drafter.model import pack
 from draftline.errors import CheckpointError
 from draftline.serving.checks import check_serves
 from draftline.serving.engine import EngineError, VerifierRefused, cannot_draft_beside, vllm_python
-from draftline.serving.vllm_support import ArchitectureNotServed, require_served
+from draftline.serving.vllm_support import require_served, unserved
 
 
 def validate(model, out: Path, seed: int = 0, verifier_path: str | None = None) -> None:
@@ -55,11 +55,7 @@ def check_in_vllm(mode: str, out: Path, verifier_dir: str, k: int) -> str:
     if mode == "on":
         require_served(verifier_dir, python, fix="export where vLLM serves it, or pass --vllm-check auto (it "
                        "records the check as skipped)")
-    reason = cannot_draft_beside(verifier_dir)
-    try:
-        require_served(verifier_dir, python, fix="")
-    except ArchitectureNotServed as e:
-        reason = str(e).split(":")[0]
+    reason = unserved(verifier_dir, python) or cannot_draft_beside(verifier_dir)
     if reason and mode == "on":
         raise CheckpointError(f"--vllm-check on cannot run here: {reason}; export on such a host, or pass "
                               "--vllm-check auto (it records the check as skipped)")

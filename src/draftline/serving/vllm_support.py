@@ -47,13 +47,20 @@ def served_architectures(python: str) -> frozenset[str] | None:
     return None
 
 
-def require_served(verifier: str | Path, python: Path | str | None, *, fix: str) -> None:
-    """Refuse, in one line naming the architecture and ``fix``, a verifier vLLM has no implementation of."""
+def unserved(verifier: str | Path, python: Path | str | None) -> str | None:
+    """Why the vLLM beside ``python`` cannot serve ``verifier`` (no implementation of its architecture), in words,
+    or None (it can, or there is no registry to read)."""
     if python is None:
-        return
+        return None
     known = served_architectures(str(python))
     wanted = [a for a in hf_model.describe(verifier)["architecture"].split(",") if a and a != "unknown"]
     if known is None or not wanted or any(a in known for a in wanted):
-        return
-    raise ArchitectureNotServed(f"vLLM has no implementation of {', '.join(wanted)}, the architecture of the "
-                                f"verifier {verifier} (its config.json): {fix}")
+        return None
+    return (f"vLLM has no implementation of {', '.join(wanted)}, the architecture of the verifier {verifier} "
+            "(its config.json)")
+
+
+def require_served(verifier: str | Path, python: Path | str | None, *, fix: str) -> None:
+    """Refuse, in one line naming the architecture and ``fix``, a verifier vLLM has no implementation of."""
+    if reason := unserved(verifier, python):
+        raise ArchitectureNotServed(f"{reason}: {fix}")
