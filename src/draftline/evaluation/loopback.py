@@ -20,7 +20,7 @@ from pathlib import Path
 
 from draftline.console import say
 from draftline.evaluation.chain import ChainResult
-from draftline.evaluation.vllm_backend import generate_all, lossless_against, measure_vllm
+from draftline.evaluation.vllm_backend import differences, generate_all, lossless_against, measure_vllm
 from draftline.serving.engine import ServeSpec, VllmServer
 
 SELF_NOISE_PROMPTS = 64  # bf16: prompts decoded twice by the plain server to measure its own noise
@@ -75,9 +75,7 @@ def _self_noise(plain, prompts: list[list[int]], reference: list[list[int]], top
     again_tops: list = []
     again, _ = generate_all(plain.endpoint, plain.model, prompts[:n], max_new_tokens=max_new_tokens, concurrency=1,
                             progress=progress, what="plain greedy again, one at a time", tops=again_tops)
-    base = ChainResult(k=0, prompts=n, drafts=0, draft_tokens=0, accepted=0, accepted_per_pos=[],
-                       generated_tokens=0, seconds=0.0, outputs=again, output_tops=again_tops)
-    beyond = len(lossless_against(base, reference[:n], reference_tops=tops[:n]).mismatches)
+    beyond = len(differences(again, reference[:n], again_tops, tops[:n])[1])
     allowed = math.floor(binomial_upper(beyond, n) * len(prompts))
     say(f"bf16 noise: plain vLLM one request at a time differed from itself beyond a near tie on {beyond} of {n} "
         f"prompts; up to {allowed} of {len(prompts)} such differences are bf16's, not the drafter's")

@@ -100,20 +100,31 @@ def lossless_against(result: ChainResult, reference: list[list[int]], *,
     a plain server, one request at a time against 8 in flight, differed on 45 of 64 prompts, 42 of them near
     ties (``benchmarks/results/bf16-ties-kimi.json``). So up to ``allowed`` mismatches (the self-noise
     :func:`draftline.evaluation.loopback.measure_loopback` measured) leave the result lossless."""
-    for i, (got, want) in enumerate(zip(result.outputs, reference, strict=True)):
-        miss = first_mismatch(i, want, got)
-        if miss is None:
-            continue
-        p = miss["position"]
-        theirs, ours = _at(reference_tops, i, p), _at(result.output_tops, i, p)
-        if reference_tops is not None and miss["got"] in theirs and miss["expected"] in ours:
-            result.near_ties.append({**miss, "margin": round(_margin(theirs), 4)})
-        else:
-            result.mismatches.append(miss)
+    near_ties, mismatches = differences(result.outputs, reference, result.output_tops, reference_tops)
+    result.near_ties.extend(near_ties)
+    result.mismatches.extend(mismatches)
     result.lossless_checked = True
     result.allowed_mismatches = allowed
     result.lossless_rule = f"top-{TOP_LOGPROBS}" if reference_tops is not None else "identical"
     return result
+
+
+def differences(outputs: list[list[int]], reference: list[list[int]], output_tops: list | None,
+                reference_tops: list | None) -> tuple[list[dict], list[dict]]:
+    """Each prompt's first difference between ``outputs`` and ``reference``: ``(near ties, mismatches)``, a near
+    tie only where both top-choice lists are given and each side's token is in the other's at that position."""
+    near_ties, mismatches = [], []
+    for i, (got, want) in enumerate(zip(outputs, reference, strict=True)):
+        miss = first_mismatch(i, want, got)
+        if miss is None:
+            continue
+        p = miss["position"]
+        theirs, ours = _at(reference_tops, i, p), _at(output_tops, i, p)
+        if reference_tops is not None and miss["got"] in theirs and miss["expected"] in ours:
+            near_ties.append({**miss, "margin": round(_margin(theirs), 4)})
+        else:
+            mismatches.append(miss)
+    return near_ties, mismatches
 
 
 def _at(tops: list | None, i: int, p: int) -> dict[int, float]:
