@@ -9,7 +9,8 @@ import pytest
 
 from draftline.errors import VerificationError
 from draftline.export.upload import CHECKSUMS, sha256_manifest
-from draftline.registry.transfer import BlobCache, fetch_directory
+from draftline.registry.blobcache import BlobCache
+from draftline.registry.transfer import fetch_directory
 
 
 @pytest.fixture(params=["sqlite", "server"])
@@ -58,29 +59,50 @@ def test_cold_then_warm_pull_and_no_destination_shares_bytes_with_the_cache(stor
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
 
 
-def test_a_cached_blob_edited_in_place_with_its_size_and_mtime_kept_is_caught(store, tmp_path):
-    """`dd conv=notrunc; touch -r`: what the cache's size + mtime record cannot see. The copy into DEST is hashed
-    as it is written, so the pull is refused naming the file, DEST is left as it was, an earlier DEST keeps its
-    bytes, the bad blob leaves the cache and the next pull downloads it afresh."""
-    from draftline.errors import VerificationError
-
+def test_a_cached_blob_edited_in_place_with_its_size_and_mtime_kept_is_evicted_and_fetched_again(store, tmp_path,
+                                                                                              capsys):
+    """`dd conv=notrunc; touch -r`: size and mtime are as they were, the change time is not (no call sets it
+    back). The warm pull says so in one line, downloads the file afresh, and an earlier DEST keeps its bytes."""
     uri = _publish(tmp_path, FILES)
     fetch_directory(uri, tmp_path / "a", cache=BlobCache())
-    blob = BlobCache().get(sha256_manifest_of(FILES)["model.safetensors"])
+    digest = sha256_manifest_of(FILES)["model.safetensors"]
+    blob = BlobCache().get(digest)
     st = blob.stat()
     blob.chmod(0o644)
     with open(blob, "r+b") as f:
         f.seek(1000)
         f.write(b"\xff" * 8)
     os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert BlobCache().get(sha256_manifest_of(FILES)["model.safetensors"]) == blob  # size + mtime still agree
-    with pytest.raises(VerificationError, match=r"cached copy of model\.safetensors .* was changed on disk"):
-        fetch_directory(uri, tmp_path / "b", cache=BlobCache())
-    assert not (tmp_path / "b").exists()
-    assert (tmp_path / "a" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+    assert (blob.stat().st_size, blob.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    capsys.readouterr()
     again = fetch_directory(uri, tmp_path / "b", cache=BlobCache())
+    assert "the cached copy of model.safetensors" in capsys.readouterr().err
     assert again["downloaded_bytes"] == len(FILES["model.safetensors"])
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
+    assert BlobCache().get(digest).read_bytes() == FILES["model.safetensors"]
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)  # the cache is local: the store does not matter
+def test_a_blob_changed_while_it_is_copied_is_refused_and_evicted(store, tmp_path, monkeypatch):
+    from draftline.registry import blobcache
+
+    uri = _publish(tmp_path, FILES)
+    fetch_directory(uri, tmp_path / "a", cache=BlobCache())
+    digest = sha256_manifest_of(FILES)["model.safetensors"]
+    real_copy = blobcache.shutil.copyfile
+
+    def copy_while_someone_writes(src, dst, **kwargs):
+        real_copy(src, dst, **kwargs)
+        if Path(src).name == digest:
+            Path(src).chmod(0o644)  # a writer opening it: its change time moves
+
+    monkeypatch.setattr(blobcache.shutil, "copyfile", copy_while_someone_writes)
+    with pytest.raises(VerificationError, match=r"cached copy of model\.safetensors .* changed while it was copied"):
+        fetch_directory(uri, tmp_path / "b", cache=BlobCache())
+    assert not (tmp_path / "b").exists() and BlobCache().get(digest) is None
+    monkeypatch.undo()
+    assert fetch_directory(uri, tmp_path / "b", cache=BlobCache())["downloaded_bytes"] == len(FILES["model.safetensors"])
 
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)  # the cache is local: the store does not matter
@@ -94,7 +116,7 @@ def test_a_cached_blob_whose_mtime_changed_is_evicted_and_downloaded_again_sayin
     again = fetch_directory(uri, tmp_path / "b", cache=BlobCache())
     said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert said == [f"[draftline] the cached copy of model.safetensors ({blob}) changed on disk since it was "
-                    "verified (size or modification time): evicted it from the cache; downloading it again"], said
+                    "verified (its size, modification or change time): evicted it from the cache; downloading it again"], said
     assert again["downloaded_bytes"] == len(FILES["model.safetensors"])  # fetched again, the others from the cache
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == FILES["model.safetensors"]
     assert BlobCache().get(digest) == blob  # the fresh download is the cached copy now, recorded as verified
@@ -230,35 +252,3 @@ def test_a_pull_by_stage_asks_the_server_for_little_and_an_older_version_still_p
         assert len(sent) - len(downloads) <= 2, sent  # the alias and MLflow's server-info, nothing else
     else:
         assert sorted(p.rsplit("/", 1)[1] for p in downloads) == sorted([*files, CHECKSUMS]), sent
-
-
-@pytest.mark.parametrize("store", ["sqlite"], indirect=True)  # the cache is local: the store does not matter
-def test_a_large_cached_blob_is_copied_by_the_kernel_and_what_landed_is_hashed(store, tmp_path, monkeypatch):
-    """Files of PARALLEL_HASH_MIN and more are copied by the kernel while a thread hashes the destination's file:
-    a warm pull gets the right bytes, and a blob edited in place (size and mtime kept) is still refused and
-    evicted. A cold pull writes the destination from the download and the cache from that verified file."""
-    from draftline.registry import transfer
-
-    monkeypatch.setattr(transfer, "PARALLEL_HASH_MIN", 0)
-    uri = _publish(tmp_path, FILES)
-    cold = fetch_directory(uri, tmp_path / "a", cache=BlobCache())
-    assert cold["downloaded_bytes"] == sum(map(len, FILES.values()))
-    digest = sha256_manifest_of(FILES)["model.safetensors"]
-    blob = BlobCache().get(digest)
-    assert blob.read_bytes() == FILES["model.safetensors"]
-    assert blob.stat().st_ino != (tmp_path / "a" / "model.safetensors").stat().st_ino
-    warm = fetch_directory(uri, tmp_path / "b", cache=BlobCache())
-    assert warm["downloaded_bytes"] == 0
-    assert {n: (tmp_path / "b" / n).read_bytes() for n in FILES} == FILES
-
-    st = blob.stat()
-    blob.chmod(0o644)
-    with open(blob, "r+b") as f:
-        f.seek(len(FILES["model.safetensors"]) - 8)
-        f.write(b"\xff" * 8)
-    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))
-    with pytest.raises(VerificationError, match=r"cached copy of model\.safetensors .* was changed on disk"):
-        fetch_directory(uri, tmp_path / "c", cache=BlobCache())
-    assert not (tmp_path / "c").exists() and BlobCache().get(digest) is None
-    assert fetch_directory(uri, tmp_path / "c", cache=BlobCache())["downloaded_bytes"] == len(FILES["model.safetensors"])
-    assert (tmp_path / "c" / "model.safetensors").read_bytes() == FILES["model.safetensors"]

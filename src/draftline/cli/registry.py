@@ -117,10 +117,10 @@ def compare(name, versions, as_json):
 def pull(name, stage, alias, version, dest, verifier, no_cache, as_json, verify_dir):
     """Download a registered drafter, verify every file against its checksums, print the vLLM command.
 
-    Files are hashed while they arrive; files already in the local content-addressed cache (same sha256)
-    are copied from it and hashed as they are written, so a restarted pod or a version sharing files downloads
-    nothing and every byte in DEST was checked in this pull. DEST never shares a file with the cache or with
-    another DEST. DEST receives the complete verified directory or is left as it was."""
+    Files are hashed while they arrive; files already in the local content-addressed cache (same sha256, hashed
+    when they were cached, unchanged since by their size, modification and change times) are copied from it by
+    the kernel, so a restarted pod or a version sharing files downloads nothing. DEST never shares a file with
+    the cache or with another DEST. DEST receives the complete verified directory or is left as it was."""
     from draftline.registry import versions
 
     if verify_dir:
@@ -144,7 +144,7 @@ def pull(name, stage, alias, version, dest, verifier, no_cache, as_json, verify_
         mib = 1 << 20
         click.echo(f"pulled models:/{name}/{out['version']} into {out['path']} (checksums verified; "
                    f"{out['downloaded_bytes'] / mib:.1f} MiB downloaded, {out['cached_bytes'] / mib:.1f} MiB "
-                   f"from the cache)\n{out['command']}")
+                   f"from the verified cache)\n{out['command']}")
 
 
 @cli.command()

@@ -18,8 +18,9 @@ from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_h
 from draftline.drafter.handoff import WEIGHTS
 from draftline.drafter.shape import MIDLAYER_PREFIX, SPECULATORS_PREFIX, aux_layer_ids, key_remap
 from draftline.errors import CheckpointError, DataError
+from draftline.registry.blobcache import BlobCache
 from draftline.registry.remote_header import ArtifactDir
-from draftline.registry.transfer import CHECKSUMS, BlobCache
+from draftline.registry.transfer import CHECKSUMS
 from draftline.registry.versions import resolve_version
 from draftline.tracking import parse_run_ref, tracking_uri
 from draftline.util import files_digest

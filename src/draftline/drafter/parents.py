@@ -35,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from draftline.config import project_root, shipped
 from draftline.console import say
 from draftline.errors import ConfigError, ParentNotFound
-from draftline.registry.transfer import BlobCache, fetch_directory
+from draftline.registry.blobcache import BlobCache
+from draftline.registry.transfer import fetch_directory
 from draftline.registry.versions import resolve_version
 
 # What a parent is read from. Everything else in the repo stays there: SpecForge's `training_state.pt` (optimizer

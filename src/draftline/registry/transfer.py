@@ -1,21 +1,14 @@
-"""Verified transfers of exported drafters, and the content-addressed cache pulls share.
+"""Verified transfers of exported drafters.
 
 Every file of an export is named with its sha256 in ``checksums.json`` (and in the version's
 ``export.checksums`` tag). A pull takes that list from the tag, or downloads ``checksums.json`` for a version
 exported before the tag, then downloads each file it names, one GET each, through MLflow's own artifact
-repository (so any store MLflow supports works), hashing the bytes *while* they arrive on a second thread instead of re-reading the file afterwards.
-Each download is written once, into the destination's staging folder (a cold pull writes every byte once on the
-network path); with a cache, the cache's copy is made afterwards by the kernel from that verified file, only if
-the cache does not hold the digest yet. A file whose digest is already in the cache is not downloaded at all:
-the cache keeps one read-only copy per digest (``$DRAFTLINE_CACHE_DIR/blobs/sha256/<digest>``, default
-``~/.cache/draftline``) and a pull copies it into place (the kernel copies while a thread hashes what landed in
-the destination): "verified" always means hashed in this pull. Never a hard
-link, so a destination shares no inode with the cache or with another destination (a blob edited in place, size
-and mtime kept, used to change every earlier destination and be handed on unchecked). A blob whose size or
-mtime changed is evicted and downloaded again, saying so in one line; one whose bytes changed behind an
-unchanged size and mtime is caught by the hash of the copy, removed from the cache, and the pull refused naming
-it. The destination only ever receives a complete, verified directory: files are assembled beside it and moved
-in last.
+repository (so any store MLflow supports works), hashing the bytes on a second thread *while* they arrive
+instead of re-reading the file afterwards. Each download is written once, into the destination's staging folder;
+with a cache (:mod:`draftline.registry.blobcache`), the cache's copy is made afterwards by the kernel from that
+verified file, only if the cache does not hold the digest yet. A file whose digest the cache holds, unchanged
+since it was verified, is not downloaded at all: the kernel copies the blob into place. The destination only
+ever receives a complete, verified directory: files are assembled beside it and moved in last.
 """
 
 from __future__ import annotations
@@ -24,9 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -38,9 +29,9 @@ import mlflow
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from tqdm.auto import tqdm
 
-from draftline.config import cache_root
-from draftline.console import bar_kwargs, say
+from draftline.console import bar_kwargs
 from draftline.errors import DraftlineError, VerificationError
+from draftline.registry.blobcache import BlobCache, scratch_prefix, sweep_scratch
 from draftline.registry.retry import retrying, unavailable
 from draftline.util import atomic_write_text, file_sha256, manifest_digest
 
@@ -114,125 +105,6 @@ def download_verified(repo, name: str, digest: str, into: Path, on_bytes=None) -
 def artifact_repository(base_uri: str):
     """MLflow's artifact repository for ``base_uri`` (any store MLflow supports)."""
     return get_artifact_repository(base_uri)
-
-
-class BlobCache:
-    """One read-only file per sha256; a hit costs a copy that is hashed as it is written (see :func:`_place`)."""
-
-    def __init__(self, root: Path | None = None):
-        self.root = (root or cache_root()) / "blobs" / "sha256"
-
-    def _paths(self, digest: str) -> tuple[Path, Path]:
-        blob = self.root / digest[:2] / digest
-        return blob, blob.with_suffix(".stat")
-
-    def get(self, digest: str, name: str | None = None) -> Path | None:
-        """The blob of ``digest`` (the file ``name`` of a pull), or None. A blob whose size or modification time
-        is no longer what it had when it was verified is evicted, saying so in one line: the pull downloads it
-        again."""
-        blob, stat = self._paths(digest)
-        try:
-            recorded = json.loads(stat.read_text())
-            st = blob.stat()
-        except (OSError, ValueError):
-            return None
-        if recorded == {"size": st.st_size, "mtime_ns": st.st_mtime_ns}:
-            return blob
-        self.evict(digest)
-        say(f"the cached copy of {name or digest} ({blob}) changed on disk since it was verified (size or "
-            "modification time): evicted it from the cache; downloading it again")
-        return None
-
-    def evict(self, digest: str) -> None:
-        for path in self._paths(digest):
-            path.unlink(missing_ok=True)
-
-    def put(self, file: Path, digest: str) -> Path:
-        """Move a verified ``file`` into the cache (atomically) and return the blob."""
-        blob, stat = self._paths(digest)
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        file.chmod(0o444)
-        os.replace(file, blob)
-        st = blob.stat()
-        atomic_write_text(stat, json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns}))
-        return blob
-
-    def scratch(self) -> tempfile.TemporaryDirectory:
-        """A temporary directory on the cache's file system, so ``put`` is a rename. Scratch folders that
-        killed pullers left behind are removed first (see :func:`sweep_scratch`)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        sweep_scratch(self.root, ".incoming-")
-        return tempfile.TemporaryDirectory(prefix=scratch_prefix(".incoming-"), dir=self.root)
-
-
-STALE_SCRATCH_S = 24 * 3600  # a scratch folder this old is left over, whoever made it
-
-
-def scratch_prefix(kind: str) -> str:
-    """``kind`` + ``<pid>@<host>-``: a folder whose maker can be seen to be gone (:func:`sweep_scratch`)."""
-    return f"{kind}{os.getpid()}@{socket.gethostname()}-"
-
-
-def sweep_scratch(folder: Path, kind: str) -> list[Path]:
-    """Remove the scratch folders ``kind*`` in ``folder`` whose maker is gone: made on this host by a process
-    that no longer runs (a puller killed with -9 cleans nothing up), or older than a day (made elsewhere: pods
-    on one node share a cache but not a process table). Returns what it removed."""
-    host, removed = socket.gethostname(), list[Path]()
-    try:
-        entries = [e for e in folder.iterdir() if e.name.startswith(kind) and e.is_dir()]
-    except OSError:
-        return removed
-    for entry in entries:
-        maker = re.fullmatch(rf"{re.escape(kind)}(\d+)@(.+)-[^-]+", entry.name)
-        try:
-            stale = time.time() - entry.stat().st_mtime > STALE_SCRATCH_S
-        except OSError:
-            continue
-        if maker and maker.group(2) == host and int(maker.group(1)) != os.getpid():
-            try:
-                os.kill(int(maker.group(1)), 0)
-            except ProcessLookupError:
-                stale = True
-            except OSError:  # alive, someone else's
-                pass
-        if stale:
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
-
-
-def _place(blob: Path, target: Path, digest: str, cache: "BlobCache") -> None:
-    """Copy a cached blob to ``target`` and hash what landed there: the copy is made by the kernel
-    (:func:`shutil.copyfile`) while a second thread hashes ``target`` as it grows, so what the destination holds
-    is what was hashed, in this pull, in about the time of the slower of the two. A copy, never a hard link, so
-    no destination shares an inode with the cache (a blob edited in place cannot change an earlier destination,
-    nor a destination the cache). A blob whose bytes no longer match its name is removed from the cache and the
-    pull refused, naming it."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if blob.stat().st_size < PARALLEL_HASH_MIN:  # small: one pass, no thread
-        h = hashlib.sha256()
-        with open(blob, "rb") as src, open(target, "wb") as dst:
-            while chunk := src.read(COPY_CHUNK):
-                h.update(chunk)
-                dst.write(chunk)
-        got = h.hexdigest()
-    else:
-        hasher = _GrowingFileHasher(target)
-        hasher.start()
-        try:
-            shutil.copyfile(blob, target)
-        finally:
-            got = hasher.result(target)
-    if got != digest:
-        target.unlink(missing_ok=True)
-        cache.evict(digest)
-        raise VerificationError(f"the cached copy of {target.name} ({blob}) no longer has sha256 {digest[:12]}… "
-                                "(it was changed on disk): removed it from the cache and refused the pull; pull "
-                                "again to download it afresh")
-
-
-COPY_CHUNK = 8 << 20
-PARALLEL_HASH_MIN = 64 << 20  # a file this large is copied by the kernel while a thread hashes it
 
 
 def verify_directory(directory: Path) -> dict:
@@ -315,7 +187,7 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
             else:
                 assert cache is not None  # a blob comes only from a cache
                 stats["cached_bytes"] += blob.stat().st_size
-                _place(blob, staging / name, digest, cache)
+                cache.place(blob, digest, staging / name, name)
 
         with ThreadPoolExecutor(4, thread_name_prefix="draftline-pull") as pool, \
                 tqdm(desc="pull (sha256 while downloading)", unit="B", unit_scale=True, **bar_kwargs(progress and bool(todo)),

@@ -24,8 +24,9 @@ from mlflow.utils.validation import MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
 
 from draftline.console import say
 from draftline.errors import RegistryError, VerificationError
+from draftline.registry.blobcache import BlobCache
 from draftline.registry.retry import retrying, unavailable
-from draftline.registry.transfer import BlobCache, fetch_directory
+from draftline.registry.transfer import fetch_directory
 
 log = logging.getLogger(__name__)
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/@]+)|@(?P<alias>[^/@]+))/?$")
