@@ -60,7 +60,10 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
                                     help="smollm2: train both sides at this budget (default: the child's steps)"))]),
     "plan": ("the Kimi-K2 drafter on 8 x 180 GiB, per ZeRO stage", []),
     "registry": ("register -> pull through a local mlflow server vs MLflow's own upload / download", [
-        shape("real", "real (2.3 GB) or tiny")]),
+        shape("real", "real (2.3 GB) or tiny"),
+        ("--on", dict(default="disk", choices=("disk", "reflink"),
+                      help="where the pulls land: the benchmark's folder, or an XFS with reflink mounted for the "
+                      "run (root, xfsprogs) (default: %(default)s)"))]),
     "data": ("capture tokens/s, shard bytes per token, loader vs train step", []),
     "regenerate": ("tiny server: batched vs one request at a time", []),
     "evaluation": ("measured vs teacher-forced acceptance, tiny verifier", []),

@@ -144,6 +144,21 @@ def postgres():
 
 
 @pytest.fixture(scope="session")
+def reflink_dir(tmp_path_factory):
+    """A folder on a file system that clones (XFS with reflink on a loop device). Skipped with the reason where
+    it cannot be made, unless DRAFTLINE_REQUIRE_REFLINK=1 (.ci/run sets it once it has installed xfsprogs)."""
+    from draftline.testing.reflink import ReflinkUnavailable, reflink_mount
+
+    try:
+        with reflink_mount(tmp_path_factory.mktemp("reflink")) as mnt:
+            yield mnt
+    except ReflinkUnavailable as e:
+        if os.environ.get("DRAFTLINE_REQUIRE_REFLINK") == "1":
+            raise
+        pytest.skip(f"no file system that clones: {e}")
+
+
+@pytest.fixture(scope="session")
 def team_server(postgres, tmp_path_factory):
     """The README's team setup: ``mlflow server`` on PostgreSQL (runs, registry, and the basic-auth users
     too), proxied artifacts, ``--app-name basic-auth`` with default permission READ; two workers."""

@@ -2,6 +2,7 @@
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import mlflow
@@ -252,3 +253,55 @@ def test_a_pull_by_stage_asks_the_server_for_little_and_an_older_version_still_p
         assert len(sent) - len(downloads) <= 2, sent  # the alias and MLflow's server-info, nothing else
     else:
         assert sorted(p.rsplit("/", 1)[1] for p in downloads) == sorted([*files, CHECKSUMS]), sent
+
+
+def _shares_extents(path: Path) -> bool:
+    import subprocess
+
+    return "shared" in subprocess.run(["filefrag", "-v", str(path)], capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)  # the cache is local: the store does not matter
+def test_where_copies_cost_a_write_a_cold_pull_writes_once_unless_the_cache_was_asked_for(store, tmp_path,
+                                                                                         monkeypatch):
+    from draftline.registry.blobcache import clones
+
+    if clones(tmp_path, tmp_path):
+        pytest.skip(f"{tmp_path} clones: the cache fills there by default")
+    monkeypatch.delenv("DRAFTLINE_CACHE_DIR")
+    uri = _publish(tmp_path, FILES)
+    total = sum(map(len, FILES.values()))
+    cache = tmp_path / "node-cache"
+    assert fetch_directory(uri, tmp_path / "a", cache=BlobCache(cache))["downloaded_bytes"] == total
+    assert not list((cache / "blobs" / "sha256").rglob("*.stat"))  # nothing kept: the pull wrote each byte once
+    assert fetch_directory(uri, tmp_path / "b", cache=BlobCache(cache))["downloaded_bytes"] == total
+    fetch_directory(uri, tmp_path / "c", cache=BlobCache(cache, fill=True))  # `pull --cache`
+    assert fetch_directory(uri, tmp_path / "d", cache=BlobCache(cache))["downloaded_bytes"] == 0  # read by default
+    monkeypatch.setenv("DRAFTLINE_CACHE_DIR", str(tmp_path / "operator-cache"))  # a node's operator set one up
+    fetch_directory(uri, tmp_path / "e", cache=BlobCache())
+    assert fetch_directory(uri, tmp_path / "f", cache=BlobCache())["downloaded_bytes"] == 0
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_where_the_file_system_clones_the_cache_fills_and_a_warm_pull_writes_no_bytes(store, tmp_path, monkeypatch,
+                                                                                       reflink_dir, capsys):
+    """On XFS with reflink: the cache's copy and the warm pull's file are clones of the download (shared
+    extents, copy-on-write), so neither costs a write, and a write into a pulled file changes only that file."""
+    monkeypatch.delenv("DRAFTLINE_CACHE_DIR")
+    node = Path(tempfile.mkdtemp(dir=reflink_dir))
+    uri = _publish(tmp_path, FILES)
+    cache = BlobCache(node / "cache")
+    fetch_directory(uri, node / "a", cache=cache)
+    digest = sha256_manifest_of(FILES)["model.safetensors"]
+    blob = BlobCache(node / "cache").get(digest)
+    assert blob is not None and _shares_extents(blob)  # kept, as a clone of DEST's file
+    warm = fetch_directory(uri, node / "b", cache=BlobCache(node / "cache"))
+    pulled = node / "b" / "model.safetensors"
+    assert warm["downloaded_bytes"] == 0 and _shares_extents(pulled)
+    assert pulled.stat().st_ino != blob.stat().st_ino
+    with open(pulled, "r+b") as f:
+        f.write(b"\0" * 16)
+    capsys.readouterr()
+    again = fetch_directory(uri, node / "c", cache=BlobCache(node / "cache"))
+    assert again["downloaded_bytes"] == 0 and capsys.readouterr().err.strip() == ""  # the blob's witness held
+    assert (node / "c" / "model.safetensors").read_bytes() == FILES["model.safetensors"]

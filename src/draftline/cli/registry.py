@@ -111,10 +111,14 @@ def compare(name, versions, as_json):
               help="Download nothing: re-hash every file of this already pulled directory against its "
               "checksums.json (a pod checking what its disk holds); exit 1 naming the first altered file.")
 @click.option("--verifier", default=None, help="Refuse the version unless it was trained for this verifier.")
-@click.option("--no-cache", is_flag=True, help="Download every file even if the local cache holds it "
-              "($DRAFTLINE_CACHE_DIR, default ~/.cache/draftline).")
+@click.option("--cache/--no-cache", "cache", default=None,
+              help="The local content-addressed cache ($DRAFTLINE_CACHE_DIR, default ~/.cache/draftline). By "
+              "default a pull takes what the cache holds, and keeps what it downloads where the cache's copy is a "
+              "clone (XFS with reflink, btrfs) or $DRAFTLINE_CACHE_DIR is set; --cache keeps it on any file "
+              "system (a second write of every byte on ext4, repaid by the next pull of those bytes on this "
+              "node); --no-cache neither reads nor keeps.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def pull(name, stage, alias, version, dest, verifier, no_cache, as_json, verify_dir):
+def pull(name, stage, alias, version, dest, verifier, cache, as_json, verify_dir):
     """Download a registered drafter, verify every file against its checksums, print the vLLM command.
 
     Files are hashed while they arrive; files already in the local content-addressed cache (same sha256, hashed
@@ -137,7 +141,7 @@ def pull(name, stage, alias, version, dest, verifier, no_cache, as_json, verify_
         raise click.UsageError("pass exactly one of --stage, --alias or --version")
     with _stdout_to_stderr():
         out = versions.pull(_client(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
-                            verifier=verifier, use_cache=not no_cache)
+                            verifier=verifier, use_cache=cache)
     if as_json:
         click.echo(json.dumps(out, indent=2))
     else:

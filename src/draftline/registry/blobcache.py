@@ -9,12 +9,19 @@ blob whose witness changed is evicted, saying so in one line, and downloaded aga
 a write that also turns back the system clock, or one made to the block device under the file system: ``pull
 --verify-only DIR`` re-hashes a pulled directory for those who must rule that out.
 
-Pulls copy blobs into place with the kernel (``copy_file_range``), never a hard link: no destination shares an
-inode with the cache or another destination, so a pulled file edited in place changes nothing else.
+Blobs are copied in and out with :func:`clone_or_copy`, never a hard link: no destination shares an inode with
+the cache or another destination, so a pulled file edited in place changes nothing else. Where the file system
+clones (XFS with reflink, btrfs, bcachefs, ZFS 2.2+), a copy is a clone: copy-on-write extents, no bytes
+written, so the cache costs a pull nothing. Where it does not (ext4), the cache's copy is a second write of
+every byte a cold pull downloads, which pays only on a node that pulls the same bytes again. So the cache
+*fills* (keeps what a pull downloaded) where it clones into the destination's file system, or where it was
+asked for (``$DRAFTLINE_CACHE_DIR`` set, or ``pull --cache``); it is *read* wherever it holds a digest.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -30,6 +37,31 @@ from draftline.errors import VerificationError
 from draftline.util import atomic_write_text
 
 WITNESS = ("size", "mtime_ns", "ctime_ns", "ino")
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), the file systems' common clone call
+
+
+def clone_or_copy(src: Path, dst: Path) -> bool:
+    """Copy ``src`` to ``dst`` as a clone where the file system makes one (shared extents, copy-on-write: a
+    later write to either changes only that one), else by the kernel's copy. True when it cloned."""
+    with open(src, "rb") as s, open(dst, "wb") as d:
+        try:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+            return True
+        except OSError:  # EOPNOTSUPP, EXDEV, EINVAL: no clones here or across these two
+            pass
+    shutil.copyfile(src, dst)
+    return False
+
+
+def clones(src_dir: Path, dst_dir: Path) -> bool:
+    """Whether a file in ``src_dir`` clones into ``dst_dir`` (one byte, tried)."""
+    with contextlib.suppress(OSError), tempfile.TemporaryDirectory(dir=src_dir, prefix=".clone-probe-") as a, \
+            tempfile.TemporaryDirectory(dir=dst_dir, prefix=".clone-probe-") as b:
+        (Path(a) / "x").write_bytes(b"x")
+        with open(Path(a) / "x", "rb") as s, open(Path(b) / "x", "wb") as d:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+            return True
+    return False
 
 
 def witness(path: Path) -> dict[str, int]:
@@ -40,10 +72,21 @@ def witness(path: Path) -> dict[str, int]:
 
 class BlobCache:
     """One read-only file per sha256 under ``$DRAFTLINE_CACHE_DIR/blobs/sha256`` (default ``~/.cache/draftline``);
-    a hit costs one kernel copy (:meth:`place`)."""
+    a hit costs one clone or kernel copy (:meth:`place`). ``fill``: keep what pulls download (True), never
+    (False), or, by default, where it pays (:meth:`fills`)."""
 
-    def __init__(self, root: Path | None = None):
+    def __init__(self, root: Path | None = None, *, fill: bool | None = None):
         self.root = (root or cache_root()) / "blobs" / "sha256"
+        self.fill = fill
+
+    def fills(self, dest_dir: Path) -> bool:
+        """Whether a pull into ``dest_dir`` keeps its downloads here: as asked, else where the cache clones into
+        ``dest_dir``'s file system (its copy is free) or ``$DRAFTLINE_CACHE_DIR`` names the cache (a node's
+        operator set one up: its pulls repeat)."""
+        if self.fill is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.fill = bool(os.environ.get("DRAFTLINE_CACHE_DIR")) or clones(self.root, dest_dir)
+        return self.fill
 
     def _paths(self, digest: str) -> tuple[Path, Path]:
         blob = self.root / digest[:2] / digest
@@ -83,10 +126,10 @@ class BlobCache:
         return blob
 
     def place(self, blob: Path, digest: str, target: Path, name: str) -> None:
-        """Copy a blob :meth:`get` returned to ``target``, by the kernel. The witness is read again after the
+        """Copy a blob :meth:`get` returned to ``target`` (:func:`clone_or_copy`). The witness is read again after the
         copy: a blob changed while it was copied is evicted and the pull refused, naming it."""
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(blob, target)
+        clone_or_copy(blob, target)
         if self.get(digest, name) is None:
             target.unlink(missing_ok=True)
             raise VerificationError(f"the cached copy of {name} ({blob}) changed while it was copied: removed it "

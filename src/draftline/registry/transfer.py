@@ -5,9 +5,9 @@ Every file of an export is named with its sha256 in ``checksums.json`` (and in t
 exported before the tag, then downloads each file it names, one GET each, through MLflow's own artifact
 repository (so any store MLflow supports works), hashing the bytes on a second thread *while* they arrive
 instead of re-reading the file afterwards. Each download is written once, into the destination's staging folder;
-with a cache (:mod:`draftline.registry.blobcache`), the cache's copy is made afterwards by the kernel from that
-verified file, only if the cache does not hold the digest yet. A file whose digest the cache holds, unchanged
-since it was verified, is not downloaded at all: the kernel copies the blob into place. The destination only
+where the cache fills (:mod:`draftline.registry.blobcache`: where it clones, or was asked for), its copy is
+made afterwards from that verified file, only if the cache does not hold the digest yet. A file whose digest the cache holds, unchanged
+since it was verified, is not downloaded at all: the blob is cloned or copied into place. The destination only
 ever receives a complete, verified directory: files are assembled beside it and moved in last.
 """
 
@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -31,7 +30,7 @@ from tqdm.auto import tqdm
 
 from draftline.console import bar_kwargs
 from draftline.errors import DraftlineError, VerificationError
-from draftline.registry.blobcache import BlobCache, scratch_prefix, sweep_scratch
+from draftline.registry.blobcache import BlobCache, clone_or_copy, scratch_prefix, sweep_scratch
 from draftline.registry.retry import retrying, unavailable
 from draftline.util import atomic_write_text, file_sha256, manifest_digest
 
@@ -168,6 +167,8 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
     with tempfile.TemporaryDirectory(prefix=scratch_prefix(f".{dest.name}.partial-"), dir=dest.parent) as scratch, \
             _quiet_mlflow():
         staging = Path(scratch)
+        if cache:
+            cache.fills(staging)  # decided once, before the downloads
         repo = artifact_repository(base_uri)
         if manifest is None or not expected_digest:
             manifest = retrying(f"download {CHECKSUMS} of {base_uri}", lambda: _read_manifest(base_uri, staging))
@@ -218,7 +219,7 @@ def _read_manifest(base_uri: str, staging: Path) -> dict:
 def _fetch_one(repo, base_uri: str, name: str, digest: str, staging: Path, cache: BlobCache | None,
                on_bytes) -> int:
     """Download ``name`` once, hashed as it arrives, into the destination's staging folder (a rename away from
-    where the download landed); with a cache, the cache's copy is then made by the kernel from that verified
+    where the download landed); where the cache fills, its copy is then cloned or copied from that verified
     file, once, and only if the cache does not hold it yet (a pod on the same node may have put it there)."""
     target = staging / name
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -228,10 +229,10 @@ def _fetch_one(repo, base_uri: str, name: str, digest: str, staging: Path, cache
             repo, name, digest, Path(tempfile.mkdtemp(dir=tmp)), on_bytes))
         size = local.stat().st_size
         os.replace(local, target)  # the download's own inode: same file system, no copy
-    if cache and cache.get(digest, name) is None:
+    if cache and cache.fills(staging) and cache.get(digest, name) is None:
         with cache.scratch() as tmp:
             copy = Path(tmp) / "blob"
-            shutil.copyfile(target, copy)
+            clone_or_copy(target, copy)
             cache.put(copy, digest)
     return size
 

@@ -259,10 +259,11 @@ def exported_k(config: dict, tags: dict) -> int:
 
 
 def pull(client, name: str, *, stage: str | None, alias: str | None, version: str | None, dest: Path,
-         verifier: str | None = None, use_cache: bool = True) -> dict:
-    """Download a version into ``dest``, every file verified against its sha256 while it arrives (files
-    already in the local content-addressed cache are copied from it and hashed); returns ``{"version", "path",
-    "command", "speculative_config", "downloaded_bytes", "cached_bytes"}``.
+         verifier: str | None = None, use_cache: bool | None = None) -> dict:
+    """Download a version into ``dest``, every file verified against its sha256 while it arrives; returns
+    ``{"version", "path", "command", "speculative_config", "downloaded_bytes", "cached_bytes"}``. Files the
+    local content-addressed cache holds are cloned or copied from it; ``use_cache`` None keeps what the pull
+    downloads in the cache where that pays (:meth:`BlobCache.fills`), True always, False skips the cache.
 
     A pull asks the tracking server for as little as it can (a fleet restarting together pays per request):
     the version (a stage: the newest version in it, which carries its alias when the two agree), the
@@ -284,7 +285,7 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     local = Path(dest)
     source = retrying(f"locate the files of models:/{name}/{mv.version}", lambda: _files_of(client, name, mv))
     stats = fetch_directory(source, local,
-                            cache=BlobCache() if use_cache else None,
+                            cache=None if use_cache is False else BlobCache(fill=use_cache),
                             expected_digest=mv.tags.get("export.sha256"),
                             manifest=_tagged_manifest(mv.tags.get(CHECKSUMS_TAG)))
     config = json.loads((local / "config.json").read_text())
