@@ -134,7 +134,9 @@ def resolve_stage(client, name: str, stage: str, *, refuse: bool = False):
     choosing. A registry without the alias: the newest version in the stage. One request when they agree."""
     uri = f"models:/{name}/{stage}"
     try:
-        latest = client.get_latest_versions(name, stages=[stage])  # what MLflow resolves the stage to
+        # what MLflow resolves the stage to; its registry client's call, one request: MlflowClient's own first
+        # asks whether NAME is a prompt (a second request per pull, paid by every pod of a fleet)
+        latest = client._get_registry_client().get_latest_versions(name, [stage])  # noqa: SLF001
     except Exception as e:  # noqa: BLE001
         if unavailable(e):
             raise
