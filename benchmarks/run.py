@@ -107,8 +107,12 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
                            help="GSM8K prompts (default: %(default)s)"))]),
     "step-profile": ("where a training step's time goes", [
         shape("smollm2", "smollm2 (the real tier's drafter) or tiny"),
-        ("--tokens", dict(type=int, default=1024, metavar="N", help="tokens per step (default: %(default)s)")),
-        ("--iters", dict(type=int, default=3, metavar="N", help="profiled steps (default: %(default)s)"))]),
+        ("--tokens", dict(type=int, default=1024, metavar="N",
+                          help="tokens per step, as a rank of the real tier takes them (default: %(default)s)")),
+        ("--rounds", dict(type=int, default=5, metavar="N",
+                          help="interleaved rounds, one step of every variant each (default: %(default)s)")),
+        ("--threads", dict(type=int, default=1, metavar="N",
+                           help="threads, as a rank has them: 1 = two ranks on two cores (default: %(default)s)"))]),
 }
 
 

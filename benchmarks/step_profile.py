@@ -1,15 +1,23 @@
-"""step-profile: where one drafter training step's time goes, beside what this machine's matmuls can do.
+"""step-profile: where one drafter training step's time goes, beside what this machine's matmuls can do, and
+what each change to the step buys, side by side.
 
 One step as a rank runs it (speculators' forward over ``ttt`` draft positions, the KL loss, backward, AdamW and
-gradient clipping), on one process, profiled with ``torch.profiler``: the share of the step in each kind of
-operator (matmuls, attention, loss and softmax, optimizer, elementwise, copies and casts, indexing), the
-FLOPs the profiler counts in matmuls, and the achieved FLOP/s against the bf16 and fp32 matmul peak measured in
-the same run (a [T, H] x [H, 4H] GEMM at the drafter's own width, all threads).
+gradient clipping), on one process with ``--threads`` threads (1: a rank of the real tier, two ranks on two
+cores), profiled with ``torch.profiler``: the share of the step in each kind of operator (matmuls, attention,
+loss and softmax, optimizer, elementwise, copies and casts, indexing), the FLOPs the profiler counts in matmuls,
+and the achieved FLOP/s against the bf16 and fp32 matmul peak measured in the same run (a [T, H] x [H, 4H] GEMM
+at the drafter's own width).
+
+Variants, timed in interleaved rounds (each round times one step of every variant, so a machine that slows down
+moves them all; ratios are per round, median and range):
+
+- ``eager-loss``: speculators' eager KL loss, one micro-batch (the step before the one-pass loss);
+- ``onepass-loss``: the loss finetune trains with (:mod:`draftline.drafter.loss`), one micro-batch;
+- ``onepass-loss+micro<m>``: the same tokens split into ``m`` micro-batches with their gradients accumulated:
+  the packed attention of speculators costs T x (k T) per draft position, so smaller micro-batches cut it.
 
 ``--shape smollm2`` is the SmolLM2-135M drafter the real tier trains (hidden 576, MLP 1536, 9 heads, draft
-vocabulary 8192); ``tiny`` the tests' drafter. ``micro`` splits the step's tokens into that many micro-batches
-with their gradients accumulated (the same tokens per optimizer step): the packed attention of speculators costs
-T x (k T) per draft position, so smaller micro-batches cut its share.
+vocabulary 8192); ``tiny`` the tests' drafter.
 """
 
 from __future__ import annotations
@@ -54,12 +62,11 @@ def _kind(name: str) -> str:
     return "other"
 
 
-def _step(model, batches, ttt: int):
-    from draftline.drafter.model import forward, loss_config, trainable_parameters
+def _step(model, batches, ttt: int, cfg):
+    from draftline.drafter.model import forward, trainable_parameters
 
     params = trainable_parameters(model)
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
-    cfg = loss_config()
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -71,18 +78,22 @@ def _step(model, batches, ttt: int):
     return step
 
 
-def profile(shape: str, tokens: int, micro: int, dtype: torch.dtype, iters: int, ttt: int = 3) -> dict:
+def _variant(shape: str, tokens: int, micro: int, loss: str, dtype: torch.dtype, ttt: int = 3):
+    from speculators.losses import resolve_loss_config
+
+    from draftline.drafter.model import loss_config
+
     model = bench_model(shape, "cpu", dtype=dtype)
     per = tokens // micro
     batches = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in fake_batch(model, per, "cpu", seed=i).items()}
                for i in range(micro)]
-    step = _step(model, batches, ttt)
+    cfg = resolve_loss_config("kl_div", "eager") if loss == "eager" else loss_config()
+    step = _step(model, batches, ttt, cfg)
     step()  # warm-up
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
+    return step, sum(int(b["input_ids"].numel()) for b in batches)
+
+
+def _profile(step, step_s: float) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
         step()
     shares: dict[str, float] = {}
@@ -91,30 +102,45 @@ def profile(shape: str, tokens: int, micro: int, dtype: torch.dtype, iters: int,
         shares[_kind(e.key)] = shares.get(_kind(e.key), 0.0) + e.self_cpu_time_total
         flops += e.flops or 0
     total = sum(shares.values()) or 1.0
-    step_s = statistics.median(times)
-    real = sum(int(b["input_ids"].numel()) for b in batches)
-    return {"dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype], "tokens": real, "micro_batches": micro,
-            "step_s_median": round(step_s, 3), "step_s_spread": [round(min(times), 3), round(max(times), 3)],
-            "tokens_per_s": round(real / step_s, 1),
-            "share": {k: round(v / total, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
+    return {"share": {k: round(v / total, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
             "profiled_matmul_gflop": round(flops / 1e9, 2),
             "achieved_tflops": round(flops / step_s / 1e12, 3)}
 
 
-def run(shape: str = "smollm2", tokens: int = 4096, iters: int = 3, micro: tuple[int, ...] = (1, 4)) -> dict:
+def run(shape: str = "smollm2", tokens: int = 1024, rounds: int = 5, threads: int = 1,
+        micro: tuple[int, ...] = (2, 4)) -> dict:
     torch.manual_seed(0)
+    torch.set_num_threads(threads)
     h = SHAPES[shape]["hidden_size"]
     peak = {"bf16": round(matmul_peak(torch.bfloat16, tokens, h), 3),
             "fp32": round(matmul_peak(torch.float32, tokens, h), 3)}
     dtype = torch.bfloat16 if peak["bf16"] > peak["fp32"] else torch.float32
-    variants = {f"micro{m}": profile(shape, tokens, m, dtype, iters) for m in micro}
-    base = variants[f"micro{micro[0]}"]["tokens_per_s"]
-    for v in variants.values():
-        v["speedup"] = round(v["tokens_per_s"] / base, 2)
-        v["of_peak"] = round(v["achieved_tflops"] / peak[v["dtype"]], 3)
-    summary = {"matmul peak bf16 / fp32 TFLOP/s": f"{peak['bf16']} / {peak['fp32']}",
-               **{f"{k} tokens/s": f"{v['tokens_per_s']} (x{v['speedup']}; top: "
+    plan = {"eager-loss": (1, "eager"), "onepass-loss": (1, "onepass"),
+            **{f"onepass-loss+micro{m}": (m, "onepass") for m in micro if tokens % m == 0}}
+    steps = {name: _variant(shape, tokens, m, loss, dtype) for name, (m, loss) in plan.items()}
+    times: dict[str, list[float]] = {name: [] for name in plan}
+    for _ in range(rounds):
+        for name, (step, _tokens) in steps.items():
+            t = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t)
+    variants = {}
+    for name, (step, real) in steps.items():
+        step_s = statistics.median(times[name])
+        per_round = [b / x for x, b in zip(times[name], times["eager-loss"], strict=True)]
+        variants[name] = {
+            "dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype], "tokens": real,
+            "micro_batches": plan[name][0], "loss": plan[name][1],
+            "step_s_median": round(step_s, 3), "step_s_spread": [round(min(times[name]), 3), round(max(times[name]), 3)],
+            "tokens_per_s": round(real / step_s, 1),
+            "speedup": {"median": round(statistics.median(per_round), 2),
+                        "range": [round(min(per_round), 2), round(max(per_round), 2)]},
+            **_profile(step, step_s)}
+        variants[name]["of_peak"] = round(variants[name]["achieved_tflops"] / peak[variants[name]["dtype"]], 3)
+    summary = {"matmul peak bf16 / fp32 TFLOP/s": f"{peak['bf16']} / {peak['fp32']} ({threads} thread(s))",
+               **{f"{k} tokens/s": f"{v['tokens_per_s']} (x{v['speedup']['median']} "
+                  f"[{v['speedup']['range'][0]}, {v['speedup']['range'][1]}] vs eager-loss; top: "
                   f"{', '.join(f'{n} {s:.0%}' for n, s in list(v['share'].items())[:3])})"
                   for k, v in variants.items()}}
-    return {"shape": shape, "threads": torch.get_num_threads(), "matmul_peak_tflops": peak, "by_micro_batches": variants,
-            "summary": summary}
+    return {"shape": shape, "threads": threads, "tokens_per_step": tokens, "rounds": rounds,
+            "matmul_peak_tflops": peak, "by_variant": variants, "summary": summary}

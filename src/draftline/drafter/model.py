@@ -6,13 +6,13 @@ import copy
 from collections.abc import Sequence
 
 import torch
-from speculators.losses import resolve_loss_config
 from speculators.models.eagle3 import Eagle3DraftModel, shift_batch
 from tqdm.auto import trange
 from transformers import AutoConfig
 
 from draftline.console import bar_kwargs
 from draftline.drafter.batches import batch_plan, batches
+from draftline.drafter.loss import kl_div
 from draftline.drafter.shape import VERIFIER_ONLY_KEYS, layer_config
 from draftline.drafter.walk import walk_sums
 from draftline.serving.hf_model import is_trusted, load_config
@@ -95,8 +95,9 @@ def pack(records: Sequence[dict[str, torch.Tensor]], device: torch.device | str 
 
 
 def loss_config():
-    # The eager KL loss: speculators' fused loss does not train on the CPU.
-    return resolve_loss_config("kl_div", "eager")
+    """speculators' ``kl_div`` loss, its gradient made in one pass (:mod:`draftline.drafter.loss`: speculators'
+    fused kernel does not train on a CPU, its eager one walks back through every intermediate)."""
+    return {"kl_div": (kl_div, 1.0)}
 
 
 def forward(model, batch: dict[str, torch.Tensor], ttt_steps: int, loss_cfg=None, ttt_loss_decay: float = 1.0,
