@@ -9,12 +9,15 @@ and the achieved FLOP/s against the bf16 and fp32 matmul peak measured in the sa
 at the drafter's own width).
 
 Variants, timed in interleaved rounds (each round times one step of every variant, so a machine that slows down
-moves them all; ratios are per round, median and range):
+moves them all; ratios are per round against ``before``, median and range):
 
-- ``eager-loss``: speculators' eager KL loss, one micro-batch (the step before the one-pass loss);
-- ``onepass-loss``: the loss finetune trains with (:mod:`draftline.drafter.loss`), one micro-batch;
-- ``onepass-loss+micro<m>``: the same tokens split into ``m`` micro-batches with their gradients accumulated:
-  the packed attention of speculators costs T x (k T) per draft position, so smaller micro-batches cut it.
+- ``before``: speculators' eager KL loss and PyTorch's own argmax (the step before this benchmark's changes);
+- ``onepass-loss``: the loss finetune trains with (:mod:`draftline.drafter.loss`), PyTorch's argmax;
+- ``finetune``: the step finetune runs: the one-pass loss and bf16 argmax by ``max``
+  (:mod:`draftline.drafter.fast_ops`);
+- ``finetune+micro<m>``: the same tokens split into ``m`` micro-batches with their gradients accumulated (not in
+  finetune yet): the packed attention of speculators costs T x (k T) per draft position, so smaller
+  micro-batches cut it.
 
 ``--shape smollm2`` is the SmolLM2-135M drafter the real tier trains (hidden 576, MLP 1536, 9 heads, draft
 vocabulary 8192); ``tiny`` the tests' drafter.
@@ -62,23 +65,28 @@ def _kind(name: str) -> str:
     return "other"
 
 
-def _step(model, batches, ttt: int, cfg):
+def _step(model, batches, ttt: int, cfg, plain: bool):
     from draftline.drafter.model import forward, trainable_parameters
 
     params = trainable_parameters(model)
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
 
+    def run(batch):
+        if plain:  # speculators' forward as it is, PyTorch's argmax
+            _, loss, _ = model(**batch, ttt_steps=ttt, loss_config=cfg)
+            return loss
+        return forward(model, batch, ttt, cfg)[0]
+
     def step():
         opt.zero_grad(set_to_none=True)
         for batch in batches:  # gradients accumulated over the micro-batches, as DeepSpeed accumulates them
-            loss, _ = forward(model, batch, ttt, cfg)
-            (loss / len(batches)).backward()
+            (run(batch) / len(batches)).backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
     return step
 
 
-def _variant(shape: str, tokens: int, micro: int, loss: str, dtype: torch.dtype, ttt: int = 3):
+def _variant(shape: str, tokens: int, micro: int, loss: str, plain: bool, dtype: torch.dtype, ttt: int = 3):
     from speculators.losses import resolve_loss_config
 
     from draftline.drafter.model import loss_config
@@ -88,7 +96,7 @@ def _variant(shape: str, tokens: int, micro: int, loss: str, dtype: torch.dtype,
     batches = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in fake_batch(model, per, "cpu", seed=i).items()}
                for i in range(micro)]
     cfg = resolve_loss_config("kl_div", "eager") if loss == "eager" else loss_config()
-    step = _step(model, batches, ttt, cfg)
+    step = _step(model, batches, ttt, cfg, plain)
     step()  # warm-up
     return step, sum(int(b["input_ids"].numel()) for b in batches)
 
@@ -115,9 +123,9 @@ def run(shape: str = "smollm2", tokens: int = 1024, rounds: int = 5, threads: in
     peak = {"bf16": round(matmul_peak(torch.bfloat16, tokens, h), 3),
             "fp32": round(matmul_peak(torch.float32, tokens, h), 3)}
     dtype = torch.bfloat16 if peak["bf16"] > peak["fp32"] else torch.float32
-    plan = {"eager-loss": (1, "eager"), "onepass-loss": (1, "onepass"),
-            **{f"onepass-loss+micro{m}": (m, "onepass") for m in micro if tokens % m == 0}}
-    steps = {name: _variant(shape, tokens, m, loss, dtype) for name, (m, loss) in plan.items()}
+    plan = {"before": (1, "eager", True), "onepass-loss": (1, "onepass", True), "finetune": (1, "onepass", False),
+            **{f"finetune+micro{m}": (m, "onepass", False) for m in micro if tokens % m == 0}}
+    steps = {name: _variant(shape, tokens, m, loss, plain, dtype) for name, (m, loss, plain) in plan.items()}
     times: dict[str, list[float]] = {name: [] for name in plan}
     for _ in range(rounds):
         for name, (step, _tokens) in steps.items():
@@ -127,10 +135,10 @@ def run(shape: str = "smollm2", tokens: int = 1024, rounds: int = 5, threads: in
     variants = {}
     for name, (step, real) in steps.items():
         step_s = statistics.median(times[name])
-        per_round = [b / x for x, b in zip(times[name], times["eager-loss"], strict=True)]
+        per_round = [b / x for x, b in zip(times[name], times["before"], strict=True)]
         variants[name] = {
             "dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype], "tokens": real,
-            "micro_batches": plan[name][0], "loss": plan[name][1],
+            "micro_batches": plan[name][0], "loss": plan[name][1], "argmax": "pytorch" if plan[name][2] else "max",
             "step_s_median": round(step_s, 3), "step_s_spread": [round(min(times[name]), 3), round(max(times[name]), 3)],
             "tokens_per_s": round(real / step_s, 1),
             "speedup": {"median": round(statistics.median(per_round), 2),
@@ -139,7 +147,7 @@ def run(shape: str = "smollm2", tokens: int = 1024, rounds: int = 5, threads: in
         variants[name]["of_peak"] = round(variants[name]["achieved_tflops"] / peak[variants[name]["dtype"]], 3)
     summary = {"matmul peak bf16 / fp32 TFLOP/s": f"{peak['bf16']} / {peak['fp32']} ({threads} thread(s))",
                **{f"{k} tokens/s": f"{v['tokens_per_s']} (x{v['speedup']['median']} "
-                  f"[{v['speedup']['range'][0]}, {v['speedup']['range'][1]}] vs eager-loss; top: "
+                  f"[{v['speedup']['range'][0]}, {v['speedup']['range'][1]}] vs before; top: "
                   f"{', '.join(f'{n} {s:.0%}' for n, s in list(v['share'].items())[:3])})"
                   for k, v in variants.items()}}
     return {"shape": shape, "threads": threads, "tokens_per_step": tokens, "rounds": rounds,

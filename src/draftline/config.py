@@ -129,6 +129,11 @@ class FinetuneConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(0.5, gt=0, description="Gradient clipping norm.")
     tokens_per_batch: int = Field(4096, ge=16, description="Packed tokens per rank per step.")
+    micro_batch_tokens: int = Field(0, ge=0, description="Split each rank's step into micro-batches of at most "
+                                    "this many tokens (whole samples), their losses weighted by their share of "
+                                    "the step's trained tokens: the same gradient, with the packed attention "
+                                    "over shorter sequences (a 1024-token step 1.4x faster on a CPU core: "
+                                    "benchmarks step-profile). 0: 256 on a CPU, the whole step on a GPU.")
     ttt_steps: int = Field(3, ge=1, le=16, description="Test-time-training steps (draft positions).")
     ttt_loss_decay: float = Field(1.0, gt=0, le=1.0, description="Loss weight of draft position k is decay^k "
                                   "(1.0: every position weighs the same, speculators' default).")

@@ -61,3 +61,21 @@ def test_each_draft_positions_slice_of_the_targets_is_answered_right_and_a_chang
                                rtol=1e-5, atol=1e-6)
     other = torch.randn(1, 300, 50)
     torch.testing.assert_close(kl_div(logits, other), reference(logits, other), rtol=1e-5, atol=1e-6)
+
+
+def test_argmax_of_bf16_by_max_gives_pytorchs_first_index_and_leaves_argmax_as_it_was():
+    from draftline.drafter.fast_ops import bf16_argmax_by_max
+
+    torch.manual_seed(2)
+    x = torch.randn(1, 300, 257).to(torch.bfloat16)
+    x[0, :, 5] = x[0, :, 200] = 100  # ties: the first maximal index, as argmax gives it
+    x[0, 7] = 0  # a row all ties
+    want = torch.argmax(x, dim=-1)
+    original = torch.argmax
+    with bf16_argmax_by_max():
+        assert torch.argmax is not original
+        got, got_keep = torch.argmax(x, dim=-1), torch.argmax(x, dim=-1, keepdim=True)
+        floats = torch.argmax(x.float(), dim=-1)
+    assert torch.argmax is original
+    assert torch.equal(got, want) and torch.equal(got_keep.squeeze(-1), want) and torch.equal(floats, want)
+    assert got[0, 0] == 5 and got[0, 7] == 0

@@ -47,6 +47,21 @@ def batches(records: Sequence[dict], tokens_per_batch: int, *, seed: int = 0, ra
         step += 1
 
 
+def micro_batches(samples: Sequence[dict], tokens: int) -> list[list[dict]]:
+    """A step's samples in order, grouped greedily into micro-batches of at most ``tokens`` tokens (whole
+    samples; a longer sample is a micro-batch of its own)."""
+    groups: list[list[dict]] = []
+    used = 0
+    for sample in samples:
+        n = int(sample["input_ids"].numel())
+        if not groups or used + n > tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(sample)
+        used += n
+    return groups
+
+
 def prefetch(items: Iterator, depth: int = 2) -> Iterator:
     """Yield ``items`` produced on a background thread, up to ``depth`` ahead, so reading the memory-mapped
     shards and packing the next batch overlap the current step (torch releases the GIL while copying)."""

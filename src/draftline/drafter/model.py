@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 from draftline.console import bar_kwargs
 from draftline.drafter.batches import batch_plan, batches
+from draftline.drafter.fast_ops import bf16_argmax_by_max
 from draftline.drafter.loss import kl_div
 from draftline.drafter.shape import VERIFIER_ONLY_KEYS, layer_config
 from draftline.drafter.walk import walk_sums
@@ -105,11 +106,22 @@ def forward(model, batch: dict[str, torch.Tensor], ttt_steps: int, loss_cfg=None
     """``(loss, metrics)``; metrics are speculators' ``*_sum``/``*_total`` pairs. Draft position k's loss
     weighs ``ttt_loss_decay ** k`` (speculators' ``ttt_step_loss_decay``; the metrics are unweighted). With
     ``walk`` the metrics also carry the sums of vLLM's walk over the same drafts (:mod:`draftline.drafter.walk`)."""
-    drafts, loss, metrics = model(**batch, ttt_steps=ttt_steps, ttt_step_loss_decay=ttt_loss_decay,
-                                  loss_config=loss_cfg or loss_config())
+    with bf16_argmax_by_max():  # speculators' nine argmaxes a step (drafter/fast_ops.py)
+        drafts, loss, metrics = model(**batch, ttt_steps=ttt_steps, ttt_step_loss_decay=ttt_loss_decay,
+                                      loss_config=loss_cfg or loss_config())
     if walk:
         metrics = {**metrics, **walk_sums(drafts, batch, model.d2t, ttt_steps)}
     return loss, metrics
+
+
+def trained_shares(packs: Sequence[dict[str, torch.Tensor]]) -> list[float]:
+    """Each micro-batch's share of the step's trained tokens (``loss_mask``). speculators' loss is a mean over a
+    batch's trained tokens, so the micro-batches' losses weighted by these shares sum to the whole batch's loss,
+    and their gradients to its gradient, wherever each sample starts with untrained (prompt) tokens, as chat
+    samples do: the draft positions' shifted masks then lose no trained token at a micro-batch's edge."""
+    counts = [float(p["loss_mask"].sum()) for p in packs]
+    total = sum(counts)
+    return [c / total if total else 1.0 / len(counts) for c in counts]
 
 
 def add_hidden_noise(hidden: torch.Tensor, std: float, layers: int) -> torch.Tensor:

@@ -69,6 +69,17 @@ def ds_config(cfg: FinetuneConfig) -> dict:
     return conf
 
 
+CPU_MICRO_BATCH_TOKENS = 256  # step-profile: a 1024-token step 1.4x faster in micro-batches of 256 on a CPU core
+
+
+def micro_batch_tokens(cfg: FinetuneConfig) -> int:
+    """The micro-batch size a rank splits its step into: as asked, or for 0, 256 tokens on a CPU (the packed
+    attention's cost grows with the square of the sequence) and the whole step on a GPU (one large kernel)."""
+    if cfg.micro_batch_tokens:
+        return min(cfg.micro_batch_tokens, cfg.tokens_per_batch)
+    return cfg.tokens_per_batch if torch.cuda.is_available() else min(CPU_MICRO_BATCH_TOKENS, cfg.tokens_per_batch)
+
+
 def lr_scheduler(cfg: FinetuneConfig) -> dict:
     """DeepSpeed's own scheduler for ``lr_schedule``: linear warm-up, then linear decay to 0 (WarmupDecayLR),
     cosine decay to 0 (WarmupCosineLR, which scales the optimiser's lr) or the peak held (WarmupLR)."""
@@ -299,6 +310,7 @@ def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
         "ttt_steps": cfg.ttt_steps,
         **optimizer_params(inputs.conf),
         "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
+        "train.micro_batch_tokens": micro_batch_tokens(cfg),
         "train.precision": cfg.precision, "train.precision_choice": inputs.chosen.reason,
         "train.lr_schedule": cfg.lr_schedule,
         "train.ttt_loss_decay": cfg.ttt_loss_decay, "train.hidden_noise": cfg.hidden_noise,
@@ -337,7 +349,7 @@ def _worker_spec(inputs: _Inputs, *, run_id: str, work: Path, ckpt_dir: Path, vo
         aux_layer_ids=manifest["aux_layer_ids"], layer=inputs.layer, vocab_file=str(vocab_file),
         vocab_policy=cfg.vocab, parent_path=str(inputs.parent.path) if inputs.parent.path else None,
         allow_pickle=cfg.allow_pickle, steps=cfg.steps, ttt_steps=cfg.ttt_steps,
-        tokens_per_batch=cfg.tokens_per_batch, seed=cfg.seed,
+        tokens_per_batch=cfg.tokens_per_batch, micro_batch_tokens=micro_batch_tokens(cfg), seed=cfg.seed,
         precision=cast(Literal["bf16", "fp32"], cfg.precision),  # precision.choose resolved auto
         ttt_loss_decay=cfg.ttt_loss_decay, hidden_noise=cfg.hidden_noise,
         save_every=cfg.save_every, log_every=cfg.log_every, attn_impl=cfg.attn_impl,

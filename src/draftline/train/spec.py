@@ -24,6 +24,7 @@ class WorkerSpec(BaseModel):
     steps: int = Field(ge=1)
     ttt_steps: int = Field(ge=1)
     tokens_per_batch: int = Field(ge=1)
+    micro_batch_tokens: int = Field(ge=1, description="Tokens per micro-batch (finetune resolved 0).")
     precision: Literal["bf16", "fp32"]
     ttt_loss_decay: float = Field(1.0, gt=0, le=1.0, description="Loss weight of draft position k: decay^k.")
     hidden_noise: float = Field(0.0, ge=0, description="Gaussian noise on the aux hidden states while training, "

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from draftline.console import say
 from draftline.data.shards import open_prepared
 from draftline.data.verify import ShardVerifier
-from draftline.drafter.batches import batches, prefetch
+from draftline.drafter.batches import batches, micro_batches, prefetch
 from draftline.drafter.checkpoints import find_checkpoint, load_into_model
 from draftline.drafter.handoff import BEST_TAG, read_best, write_best
 from draftline.drafter.model import (
@@ -41,6 +41,7 @@ from draftline.drafter.model import (
     pack,
     summarise,
     trainable_parameters,
+    trained_shares,
 )
 from draftline.drafter.vocab import VocabRemap, remap_lm_head, verifier_head
 from draftline.errors import DraftlineError
@@ -230,12 +231,14 @@ def _metrics_sink(spec: WorkerSpec, rank: int) -> tuple[MetricsFile | MlflowClie
     return client, run_id
 
 
-def _batch_stream(records: list, spec: WorkerSpec, here: _Rank, start_step: int) -> Iterator[dict]:
-    """This rank's packed batches from ``start_step`` on, prepared on a background thread (pinned on a GPU)."""
+def _batch_stream(records: list, spec: WorkerSpec, here: _Rank, start_step: int) -> Iterator[list[dict]]:
+    """This rank's steps from ``start_step`` on, each its packed micro-batches, prepared on a background thread
+    (pinned on a GPU)."""
     stream = batches(records, spec.tokens_per_batch, seed=spec.seed, rank=here.rank, world_size=here.world,
                      start_step=start_step)
     pin = (lambda b: {k: v.pin_memory() for k, v in b.items()}) if here.on_gpu else (lambda b: b)
-    return prefetch(pin(pack(records_of_step)) for records_of_step in stream)
+    return prefetch([pin(pack(group)) for group in micro_batches(records_of_step, spec.micro_batch_tokens)]
+                    for records_of_step in stream)
 
 
 def _validate(run: _Run) -> dict[str, float]:
@@ -254,7 +257,7 @@ def _log_start_validation(run: _Run) -> None:
         _log_metrics(run.client, run.run_id, start, 0)
 
 
-def _train_loop(run: _Run, packed: Iterator[dict], start_step: int, best: dict | None, shards: ShardVerifier,
+def _train_loop(run: _Run, packed: Iterator[list[dict]], start_step: int, best: dict | None, shards: ShardVerifier,
                 stop: dict[str, bool]) -> None:
     """Steps until ``spec.steps``: train, log, validate, check shards, checkpoint; exits 143 on a stop, saved."""
     spec = run.spec
@@ -283,19 +286,28 @@ def _train_loop(run: _Run, packed: Iterator[dict], start_step: int, best: dict |
             sys.exit(143)
 
 
-def _train_step(run: _Run, batch: dict) -> tuple[dict, int]:
-    """One forward, backward and optimiser step; the step's metrics and its token count."""
+def _train_step(run: _Run, packs: list[dict]) -> tuple[dict, int]:
+    """One optimiser step over a step's micro-batches: each one's forward and backward, its loss weighted by its
+    share of the trained tokens (the whole step's gradient, :func:`trained_shares`), DeepSpeed told the last one
+    ends the accumulation; the step's summed metrics and its token count."""
     spec, device, dtype = run.spec, run.here.device, run.here.dtype
-    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    batch["hidden_states"] = batch["hidden_states"].to(dtype)
-    batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(dtype)
-    if spec.hidden_noise:
-        batch["hidden_states"] = add_hidden_noise(batch["hidden_states"], spec.hidden_noise,
-                                                  len(spec.aux_layer_ids))
-    loss, metrics = forward(run.engine, batch, spec.ttt_steps, run.cfg, ttt_loss_decay=spec.ttt_loss_decay)
-    run.engine.backward(loss)
+    summed: dict = {}
+    tokens = 0
+    for i, (share, batch) in enumerate(zip(trained_shares(packs), packs, strict=True)):
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch["hidden_states"] = batch["hidden_states"].to(dtype)
+        batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(dtype)
+        if spec.hidden_noise:
+            batch["hidden_states"] = add_hidden_noise(batch["hidden_states"], spec.hidden_noise,
+                                                      len(spec.aux_layer_ids))
+        run.engine.set_gradient_accumulation_boundary(i == len(packs) - 1)
+        loss, metrics = forward(run.engine, batch, spec.ttt_steps, run.cfg, ttt_loss_decay=spec.ttt_loss_decay)
+        run.engine.backward(loss * share)
+        for k, v in metrics.items():
+            summed[k] = summed[k] + v.detach() if k in summed else v.detach()
+        tokens += int(batch["input_ids"].numel())
     run.engine.step()
-    return metrics, int(batch["input_ids"].numel())
+    return summed, tokens
 
 
 def _log_train_window(run: _Run, metrics: dict, window_tokens: int, tick: float, step: int) -> None:
