@@ -130,10 +130,11 @@ class FinetuneConfig(_Strict):
     grad_clip: float = Field(0.5, gt=0, description="Gradient clipping norm.")
     tokens_per_batch: int = Field(4096, ge=16, description="Packed tokens per rank per step.")
     micro_batch_tokens: int = Field(0, ge=0, description="Split each rank's step into micro-batches of at most "
-                                    "this many tokens (whole samples), their losses weighted by their share of "
-                                    "the step's trained tokens: the same gradient, with the packed attention "
-                                    "over shorter sequences (a 1024-token step 1.4x faster on a CPU core: "
-                                    "benchmarks step-profile). 0: 256 on a CPU, the whole step on a GPU.")
+                                    "this many tokens (whole samples, as many on every rank), their losses "
+                                    "weighted by their share of the step's trained tokens: the same gradient, "
+                                    "the packed attention over shorter sequences. 0: the whole step at once "
+                                    "(on 2 CPU cores, ZeRO-2, 1024 tokens, splitting by 256 gained nothing end "
+                                    "to end: each micro-batch's gradient reduction ate the attention saved).")
     ttt_steps: int = Field(3, ge=1, le=16, description="Test-time-training steps (draft positions).")
     ttt_loss_decay: float = Field(1.0, gt=0, le=1.0, description="Loss weight of draft position k is decay^k "
                                   "(1.0: every position weighs the same, speculators' default).")

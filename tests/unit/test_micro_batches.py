@@ -4,16 +4,35 @@ the whole packed step (the split only shortens the packed attention)."""
 import torch
 
 from draftline.data.shards import open_prepared
-from draftline.drafter.batches import micro_batches
+from draftline.drafter.batches import batches, micro_steps, split_even
 from draftline.drafter.model import build_draft_model, forward, loss_config, pack, trainable_parameters, trained_shares
 from tests.unit.test_pairing import build_vocab_for
 
 
-def test_micro_batches_are_whole_samples_in_order_within_the_budget():
+def test_a_step_is_cut_into_even_whole_sample_groups_in_order():
     samples = [{"input_ids": torch.zeros(n)} for n in (100, 100, 60, 300, 20, 20)]
-    groups = micro_batches(samples, 256)
-    assert [[int(s["input_ids"].numel()) for s in g] for g in groups] == [[100, 100], [60], [300], [20, 20]]
-    assert [s for g in groups for s in g] == samples
+    for parts in range(1, 7):
+        groups = split_even(samples, parts)
+        assert len(groups) == parts and all(groups) and [s for g in groups for s in g] == samples
+    assert [[int(s["input_ids"].numel()) for s in g] for g in split_even(samples, 3)] == \
+        [[100, 100], [60, 300], [20, 20]]
+
+
+def test_every_rank_cuts_its_step_into_as_many_micro_batches_and_trains_the_same_samples():
+    """ZeRO-2 reduces every micro-batch's gradients across the ranks together: a rank with one micro-batch more
+    than another hangs them both (seen: gloo 'Received data size doesn't match')."""
+    torch.manual_seed(0)
+    records = [{"input_ids": torch.zeros(int(n))} for n in torch.randint(20, 400, (200,))]
+    for world in (1, 2, 3):
+        streams = [micro_steps(records, 1024, 256, seed=3, rank=r, world_size=world, start_step=5)
+                   for r in range(world)]
+        plain = [batches(records, 1024, seed=3, rank=r, world_size=world, start_step=5) for r in range(world)]
+        for _ in range(40):
+            steps = [next(s) for s in streams]
+            assert len({len(groups) for groups in steps}) == 1
+            for groups, whole in zip(steps, (next(p) for p in plain), strict=True):
+                assert [s for g in groups for s in g] == whole  # the same samples, in order
+                assert all(groups)
 
 
 def test_weighted_micro_batches_give_the_whole_steps_gradient(tiny, prepared):
@@ -36,7 +55,6 @@ def test_weighted_micro_batches_give_the_whole_steps_gradient(tiny, prepared):
         return torch.cat([p.grad.flatten() for p in params])
 
     whole = gradient([records])
-    groups = micro_batches(records, 200)
-    assert len(groups) >= 4
+    groups = split_even(records, 4)
     split = gradient(groups)
     torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-7)

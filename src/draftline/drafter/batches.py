@@ -27,6 +27,19 @@ def batch_plan(lengths: Sequence[int], tokens_per_batch: int, *, seed: int, epoc
     return plan
 
 
+def _planned(plans: list[list[list[int]]], lengths: Sequence[int], tokens_per_batch: int, seed: int,
+             idx: int) -> list[int]:
+    """Sample indices of batch ``idx`` of the concatenated epoch plans (extended as far as needed)."""
+    epoch = 0
+    while True:
+        if epoch == len(plans):
+            plans.append(batch_plan(lengths, tokens_per_batch, seed=seed, epoch=epoch))
+        if idx < len(plans[epoch]):
+            return plans[epoch][idx]
+        idx -= len(plans[epoch])
+        epoch += 1
+
+
 def batches(records: Sequence[dict], tokens_per_batch: int, *, seed: int = 0, rank: int = 0,
             world_size: int = 1, start_step: int = 0) -> Iterator[list[dict]]:
     """Endless stream of this rank's batches; global step ``s`` uses batch ``s * world_size + rank`` of the
@@ -35,30 +48,39 @@ def batches(records: Sequence[dict], tokens_per_batch: int, *, seed: int = 0, ra
     plans: list[list[list[int]]] = []
     step = start_step
     while True:
-        idx, epoch = step * world_size + rank, 0
-        while True:
-            if epoch == len(plans):
-                plans.append(batch_plan(lengths, tokens_per_batch, seed=seed, epoch=epoch))
-            if idx < len(plans[epoch]):
-                break
-            idx -= len(plans[epoch])
-            epoch += 1
-        yield [records[i] for i in plans[epoch][idx]]
+        yield [records[i] for i in _planned(plans, lengths, tokens_per_batch, seed, step * world_size + rank)]
         step += 1
 
 
-def micro_batches(samples: Sequence[dict], tokens: int) -> list[list[dict]]:
-    """A step's samples in order, grouped greedily into micro-batches of at most ``tokens`` tokens (whole
-    samples; a longer sample is a micro-batch of its own)."""
-    groups: list[list[dict]] = []
-    used = 0
-    for sample in samples:
-        n = int(sample["input_ids"].numel())
-        if not groups or used + n > tokens:
-            groups.append([])
-            used = 0
-        groups[-1].append(sample)
-        used += n
+def micro_steps(records: Sequence[dict], tokens_per_batch: int, micro_batch_tokens: int, *, seed: int = 0,
+                rank: int = 0, world_size: int = 1, start_step: int = 0) -> Iterator[list[list[dict]]]:
+    """:func:`batches`, each step split into micro-batches (:func:`split_even`): as many as the rank whose
+    batch splits into the fewest needs (``micro_batch_tokens`` each at most, one sample each at least), the
+    same number on every rank, since ZeRO-2 reduces the gradients of every micro-batch together. Each rank
+    reads every rank's plan, so no rank asks another."""
+    lengths = [int(r["input_ids"].numel()) for r in records]
+    plans: list[list[list[int]]] = []
+    step = start_step
+    while True:
+        every = [_planned(plans, lengths, tokens_per_batch, seed, step * world_size + r) for r in range(world_size)]
+        count = min(min(len(b), -(-sum(lengths[i] for i in b) // micro_batch_tokens)) for b in every)
+        yield split_even([records[i] for i in every[rank]], max(1, count))
+        step += 1
+
+
+def split_even(samples: Sequence[dict], parts: int) -> list[list[dict]]:
+    """``samples`` in order, cut into exactly ``parts`` groups (``parts`` <= len(samples)) of about equal
+    tokens."""
+    lengths = [int(s["input_ids"].numel()) for s in samples]
+    total, groups, current, used = sum(lengths), list[list[dict]](), list[dict](), 0
+    for i, sample in enumerate(samples):
+        current.append(sample)
+        used += lengths[i]
+        cuts_left = parts - len(groups) - 1
+        if cuts_left > 0 and (used >= total * (len(groups) + 1) / parts or len(samples) - i - 1 == cuts_left):
+            groups.append(current)
+            current = []
+    groups.append(current)
     return groups
 
 

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from draftline.console import say
 from draftline.data.shards import open_prepared
 from draftline.data.verify import ShardVerifier
-from draftline.drafter.batches import batches, micro_batches, prefetch
+from draftline.drafter.batches import micro_steps, prefetch
 from draftline.drafter.checkpoints import find_checkpoint, load_into_model
 from draftline.drafter.handoff import BEST_TAG, read_best, write_best
 from draftline.drafter.model import (
@@ -234,11 +234,10 @@ def _metrics_sink(spec: WorkerSpec, rank: int) -> tuple[MetricsFile | MlflowClie
 def _batch_stream(records: list, spec: WorkerSpec, here: _Rank, start_step: int) -> Iterator[list[dict]]:
     """This rank's steps from ``start_step`` on, each its packed micro-batches, prepared on a background thread
     (pinned on a GPU)."""
-    stream = batches(records, spec.tokens_per_batch, seed=spec.seed, rank=here.rank, world_size=here.world,
-                     start_step=start_step)
+    stream = micro_steps(records, spec.tokens_per_batch, spec.micro_batch_tokens, seed=spec.seed, rank=here.rank,
+                         world_size=here.world, start_step=start_step)
     pin = (lambda b: {k: v.pin_memory() for k, v in b.items()}) if here.on_gpu else (lambda b: b)
-    return prefetch([pin(pack(group)) for group in micro_batches(records_of_step, spec.micro_batch_tokens)]
-                    for records_of_step in stream)
+    return prefetch([pin(pack(group)) for group in groups] for groups in stream)
 
 
 def _validate(run: _Run) -> dict[str, float]:
