@@ -31,9 +31,10 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
                   "--max-length", "256", "--max-samples", "160")
     ft = invoke("finetune", "--data", prep["data_uri"], "--init", "tiny", "--gpus", "2", "--zero-stage", "2",
                 "--steps", "6", "--tokens-per-batch", "512", "--save-every", "3", "--lr", "5e-4",
-                "--warmup-steps", "0")
+                "--warmup-steps", "0", "--micro-batch-tokens", "128")  # the two ranks split their steps alike
     run = client.get_run(ft["run_id"])
     p = run.data.params
+    assert p["train.micro_batch_tokens"] == "128"
     assert p["init"] == "tiny" and p["parent.source"] == "draftline/tiny-parent"
     assert p["parent.layout"] == "midlayer" and p["parent.key_remap"] == "midlayer.->layers.0."
     assert p["parent.sha256"] == files_digest(find_checkpoint(tiny["parent"]).weights)
