@@ -79,3 +79,13 @@ def test_argmax_of_bf16_by_max_gives_pytorchs_first_index_and_leaves_argmax_as_i
     assert torch.argmax is original
     assert torch.equal(got, want) and torch.equal(got_keep.squeeze(-1), want) and torch.equal(floats, want)
     assert got[0, 0] == 5 and got[0, 7] == 0
+
+
+def test_under_inference_mode_the_loss_is_computed_each_time():
+    logits, targets = torch.randn(1, 40, 30), torch.randn(1, 40, 30)
+    want = torch.nn.functional.kl_div(torch.log_softmax(logits, -1), torch.softmax(targets, -1),
+                                      reduction="none").sum(-1)
+    with torch.inference_mode():
+        inference_targets = targets.clone()
+        for _ in range(2):
+            torch.testing.assert_close(kl_div(logits, inference_targets[:, 0:]), want, rtol=1e-5, atol=1e-6)

@@ -106,8 +106,9 @@ def test_activation_estimate_matches_what_autograd_saves():
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
         model(**batch, ttt_steps=k, loss_config=loss_config())
-    # alive but not saved for the backward: transient, verifier hidden state, target logits, the K/V cache (2 heads)
-    alive_not_saved = t * (est["transient"] + 2 * (h + dv) + 2 * 2 * (2 * 64) * k)
+    # alive but not saved for the backward: transient, verifier hidden state, target logits and their fp32
+    # log-probabilities and probabilities, the K/V cache (2 heads)
+    alive_not_saved = t * (est["transient"] + 2 * (h + dv) + 8 * dv + 2 * 2 * (2 * 64) * k)
     assert sum(saved.values()) == pytest.approx(est["bytes"] - alive_not_saved, rel=0.01)
 
 

@@ -36,7 +36,8 @@ class _Targets:
         vocab = targets.shape[-1]
         base = targets._base if targets._base is not None else targets  # noqa: SLF001  (a view's tensor)
         whole = base.dim() == 3 and targets.dim() == 3 and base.shape[0] == targets.shape[0] == 1 and \
-            base.shape[2] == vocab and base.is_contiguous() and targets.is_contiguous()
+            base.shape[2] == vocab and base.is_contiguous() and targets.is_contiguous() and \
+            not base.is_inference()  # an inference tensor has no version counter to see a change by
         if not whole:
             log_p = torch.log_softmax(targets.reshape(-1, vocab).float(), dim=-1)
             return log_p, log_p.exp()

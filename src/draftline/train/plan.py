@@ -80,18 +80,19 @@ def count_params(config) -> dict[str, Any]:
 def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precision: str = "bf16",
                      attn_impl: str = "sdpa") -> dict:
     """An estimate of the activation memory of one forward+backward over ``tokens`` packed tokens: what autograd
-    keeps for the backward in speculators' forward with draftline's eager KL loss, plus the inputs and target
-    logits alive meanwhile. b is 2 (bf16) or 4 (fp32), H hidden, I intermediate, V draft vocabulary, q and kv
+    keeps for the backward in speculators' forward with draftline's one-pass KL loss (drafter/loss.py), plus the
+    inputs and target logits alive meanwhile. b is 2 (bf16) or 4 (fp32), H hidden, I intermediate, V draft vocabulary, q and kv
     the query and key/value widths (heads x head_dim), d head_dim, k ``ttt_steps``, T ``tokens``. Per token:
 
     * per TTT step: 4 RMSNorms x (4H fp32 copy + bH output), the q/k/v input b*2H, q, the attention output
       and its o_proj copy b*3q, the MLP's gate/up/activation/product b*4I, rotary cos/sin b*2d, the loss's
-      fp32 log-softmax and target probabilities 8V (the three layer terms per layer);
+      fp32 gradient 4V (the three layer terms per layer);
     * keys and values, concatenated over the steps (step j attends to (j+1)T keys): b*2kv * k(k+1)/2, where
       kv is q for ``sdpa``/``eager`` (with a mask, transformers repeats grouped K/V heads before attention);
-    * once: the fc input b*num_aux*H, the verifier's last hidden state b*H, the target logits b*V, and, when
-      K/V heads are repeated, the cache itself b*2kv*k;
-    * transient: the KL's elementwise fp32 output and the next logits, 4V + bV.
+    * once: the fc input b*num_aux*H, the verifier's last hidden state b*H, the target logits b*V, their fp32
+      log-probabilities and probabilities 8V (computed once for every draft position), and, when K/V heads are
+      repeated, the cache itself b*2kv*k;
+    * transient: the next logits, bV.
 
     Plus, over the whole batch, T^2 * k(k+1)/2 x (2 for ``sdpa``'s dense bf16 masks, or (4 + b) x heads for
     ``eager``'s materialised attention probabilities); ``simple_flex_attention`` has neither. Checked on the CPU
@@ -103,11 +104,11 @@ def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precisi
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
     layers, tri = shape.get("layers", 1), ttt_steps * (ttt_steps + 1) // 2
     norm = 4 * h + b * h
-    per_step = layers * (3 * norm + b * (2 * h + 3 * q + 4 * i)) + norm + b * 2 * d + 8 * v
+    per_step = layers * (3 * norm + b * (2 * h + 3 * q + 4 * i)) + norm + b * 2 * d + 4 * v
     repeated = attn_impl != "simple_flex_attention" and kv < q
     kv_cache = layers * b * 2 * (q if repeated else kv) * tri
-    once = b * (shape["num_aux"] * h + h + v) + (layers * b * 2 * kv * ttt_steps if repeated else 0)
-    transient = 4 * v + b * v
+    once = b * (shape["num_aux"] * h + h + v) + 8 * v + (layers * b * 2 * kv * ttt_steps if repeated else 0)
+    transient = b * v
     per_token = ttt_steps * per_step + kv_cache + once + transient
     dense = {"simple_flex_attention": 0, "sdpa": 2, "eager": (4 + b) * shape["num_attention_heads"]}
     quadratic = layers * dense.get(attn_impl, 2) * tokens * tokens * tri
