@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.integration
+# two 2-rank finetunes (~80 s): the benchmark tier keeps the full suite within its 20 minutes; the unit tests
+# hold the invariants (the whole step's gradient, the same micro-batch count on every rank)
+pytestmark = [pytest.mark.integration, pytest.mark.benchmark]
 
 
 def test_two_ranks_in_micro_batches_train_what_the_whole_steps_train(workspace, prepared):
