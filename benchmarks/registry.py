@@ -133,11 +133,12 @@ def _run(tmp: Path, where: Path, shape: str, reps: int, on: str) -> dict:  # noq
             second = [("mlflow_download", mlflow_download), ("pull_cold", pull("dl-cold", None)),
                       ("pull_cold_cached", cold_then_warm)]
             for name, fn in second[rep % 3:] + second[:rep % 3]:
-                if name == "mlflow_download":
+                if name != "mlflow_download":
+                    shutil.rmtree(cache, ignore_errors=True)  # every pull side starts cold
+                if name == "pull_cold_cached":
+                    fn()  # times itself and the warm pull after it
+                else:
                     times[name].append(_timed(fn))
-                    continue
-                shutil.rmtree(cache, ignore_errors=True)  # every pull side starts cold
-                (fn() if name == "pull_cold_cached" else times[name].append(_timed(fn)))
             times["cp"].append(_timed(lambda: subprocess.run(
                 ["cp", "-r", "--reflink=never", str(src), str(where / "dl-cp")], check=True)))
             for d in ("dl-mlflow", "dl-cold", "dl-cached", "dl-warm", "dl-cp"):

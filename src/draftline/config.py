@@ -238,6 +238,7 @@ def parse_categories(spec: str | None) -> tuple[set[str], set[str]]:
     return keep, drop
 
 
+CACHE_ENV = "DRAFTLINE_CACHE_DIR"  # where the caches live (cache_root); a pull keeps its downloads where it is set
 VLLM_ARGS_ENV = "DRAFTLINE_VLLM_ARGS"  # flags for every vLLM draftline starts (draftline.serving.engine)
 SHIPPED = Path(__file__).parent / "shipped"  # configs/ and registry_policies/: links in a checkout, copies in a wheel
 
@@ -265,7 +266,7 @@ def work_dir() -> Path:
 def cache_root() -> Path:
     """Caches shared by runs on this machine (pulled blobs, regenerated conversations): $DRAFTLINE_CACHE_DIR,
     default ~/.cache/draftline."""
-    return Path(os.environ.get("DRAFTLINE_CACHE_DIR") or "~/.cache/draftline").expanduser()
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/draftline").expanduser()
 
 
 def load_file(file: str | Path) -> dict[str, Any]:

@@ -122,8 +122,8 @@ def pull(name, stage, alias, version, dest, verifier, cache, as_json, verify_dir
     """Download a registered drafter, verify every file against its checksums, print the vLLM command.
 
     Files are hashed while they arrive; files already in the local content-addressed cache (same sha256, hashed
-    when they were cached, unchanged since by their size, modification and change times) are copied from it by
-    the kernel, so a restarted pod or a version sharing files downloads nothing. DEST never shares a file with
+    when they were cached, unchanged since by their size, modification and change times) are cloned or copied
+    from it, so a restarted pod or a version sharing files downloads nothing. DEST never shares a file with
     the cache or with another DEST. DEST receives the complete verified directory or is left as it was."""
     from draftline.registry import versions
 

@@ -20,6 +20,11 @@ import torch
 ROWS = 256  # rows per block: a block of float32 [ROWS, 8192] temporaries stays within a core's L2
 
 
+def _log_probs(rows: torch.Tensor) -> torch.Tensor:
+    """float32 ``log_softmax`` of ``[rows, vocab]`` logits, a block of rows at a time (no float32 copy of all)."""
+    return torch.cat([torch.log_softmax(rows[i:i + ROWS].float(), dim=-1) for i in range(0, rows.shape[0], ROWS)])
+
+
 class _Targets:
     """``log p`` and ``p`` of the last target tensor seen, whole: a slice of it (speculators' ``targets[:, k:]``
     at draft position k) is answered from them. The tensor itself is held, so its identity cannot be reused by
@@ -39,12 +44,11 @@ class _Targets:
             base.shape[2] == vocab and base.is_contiguous() and targets.is_contiguous() and \
             not base.is_inference()  # an inference tensor has no version counter to see a change by
         if not whole:
-            log_p = torch.log_softmax(targets.reshape(-1, vocab).float(), dim=-1)
+            log_p = _log_probs(targets.reshape(-1, vocab))
             return log_p, log_p.exp()
         if self.base is not base or self.version != base._version:  # noqa: SLF001  (in-place changes count)
             self.base, self.version = base, base._version  # noqa: SLF001
-            self.log_p = torch.cat([torch.log_softmax(base[0, i:i + ROWS].float(), dim=-1)
-                                    for i in range(0, base.shape[1], ROWS)])
+            self.log_p = _log_probs(base[0])
             self.p = self.log_p.exp()
         first = (targets.storage_offset() - base.storage_offset()) // vocab
         rows = slice(first, first + targets.shape[1])

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftline.config import cache_root
+from draftline.config import CACHE_ENV, cache_root
 from draftline.console import say
 from draftline.errors import VerificationError
 from draftline.util import atomic_write_text
@@ -40,17 +40,22 @@ WITNESS = ("size", "mtime_ns", "ctime_ns", "ino")
 FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), the file systems' common clone call
 
 
-def clone_or_copy(src: Path, dst: Path) -> bool:
-    """Copy ``src`` to ``dst`` as a clone where the file system makes one (shared extents, copy-on-write: a
-    later write to either changes only that one), else by the kernel's copy. True when it cloned."""
+def _clone(src: Path, dst: Path) -> None:
+    """``dst`` a clone of ``src`` (shared extents, copy-on-write: a later write to either changes only that
+    one); OSError (EOPNOTSUPP, EXDEV, EINVAL) where the file system makes none, or none across these two."""
     with open(src, "rb") as s, open(dst, "wb") as d:
-        try:
-            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
-            return True
-        except OSError:  # EOPNOTSUPP, EXDEV, EINVAL: no clones here or across these two
-            pass
-    shutil.copyfile(src, dst)
-    return False
+        fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+
+
+def clone_or_copy(src: Path, dst: Path) -> bool:
+    """Copy ``src`` to ``dst`` as a clone where the file system makes one, else by the kernel's copy. True when
+    it cloned."""
+    try:
+        _clone(src, dst)
+        return True
+    except OSError:
+        shutil.copyfile(src, dst)
+        return False
 
 
 def clones(src_dir: Path, dst_dir: Path) -> bool:
@@ -58,9 +63,8 @@ def clones(src_dir: Path, dst_dir: Path) -> bool:
     with contextlib.suppress(OSError), tempfile.TemporaryDirectory(dir=src_dir, prefix=".clone-probe-") as a, \
             tempfile.TemporaryDirectory(dir=dst_dir, prefix=".clone-probe-") as b:
         (Path(a) / "x").write_bytes(b"x")
-        with open(Path(a) / "x", "rb") as s, open(Path(b) / "x", "wb") as d:
-            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
-            return True
+        _clone(Path(a) / "x", Path(b) / "x")
+        return True
     return False
 
 
@@ -85,7 +89,7 @@ class BlobCache:
         operator set one up: its pulls repeat)."""
         if self.fill is None:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.fill = bool(os.environ.get("DRAFTLINE_CACHE_DIR")) or clones(self.root, dest_dir)
+            self.fill = bool(os.environ.get(CACHE_ENV)) or clones(self.root, dest_dir)
         return self.fill
 
     def _paths(self, digest: str) -> tuple[Path, Path]:

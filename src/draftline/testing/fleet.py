@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlflow
 
+from draftline.config import CACHE_ENV
 from draftline.registry.promotion import holders, promote, rollback
 from draftline.registry.transfer import CHECKSUMS
 from draftline.registry.versions import checksums_tag
@@ -143,7 +144,7 @@ def start_pullers(n: int, name: str, root: Path, env: dict, *, shared: int, argv
         dest = root / f"pod-{i}" / "drafter"
         cmd = argv(name, dest) if argv else [sys.executable, "-m", "draftline.cli", "pull", name, "--stage",
                                              "Production", "--dest", str(dest), "--json"]
-        proc = subprocess.Popen(cmd, env={**env, "DRAFTLINE_CACHE_DIR": str(cache)},
+        proc = subprocess.Popen(cmd, env={**env, CACHE_ENV: str(cache)},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         pulls.append(Pull(dest, cache, proc, time.time()))
     return pulls
