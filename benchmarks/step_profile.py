@@ -11,14 +11,18 @@ at the drafter's own width).
 Variants, timed in interleaved rounds (each round times one step of every variant, so a machine that slows down
 moves them all; ratios are per round against ``before``, median and range):
 
-- ``before``: speculators' eager KL loss and PyTorch's own argmax (the step before this benchmark's changes);
-- ``onepass-loss``: the loss finetune trains with (:mod:`draftline.drafter.loss`), PyTorch's argmax;
-- ``finetune``: the step finetune runs: the one-pass loss and bf16 argmax by ``max``
-  (:mod:`draftline.drafter.fast_ops`);
+- ``before``: speculators' eager KL loss, PyTorch's own argmax, ``sdpa`` (the step before this benchmark's
+  changes);
+- ``onepass-loss``: the loss finetune trains with (:mod:`draftline.drafter.loss`);
+- ``argmax-by-max``: and bf16 argmax by ``max`` (:mod:`draftline.drafter.fast_ops`);
+- ``finetune``: the step finetune runs on CPU ranks: and the ``blockwise`` draft attention
+  (:mod:`draftline.drafter.attention`: per packed sample, the draft positions' keys as diagonals);
 - ``finetune+micro<m>``: the same tokens split into ``m`` micro-batches with their gradients accumulated
-  (``finetune --micro-batch-tokens``, off by default): the packed attention of speculators costs T x (k T) per
-  draft position, so smaller micro-batches cut it in one process; under ZeRO-2 on two ranks each micro-batch's
-  gradient reduction ate that gain end to end (measured by hand: 38 s vs 37-40 s for 30 steps).
+  (``finetune --micro-batch-tokens``, off by default: under ZeRO-2 on two ranks each micro-batch's gradient
+  reduction costs what the smaller packs save).
+
+Each batch packs four samples (the real tier's SmolLM2 samples average ~280 tokens: about four to a 1 024-token
+pack).
 
 ``--shape smollm2`` is the SmolLM2-135M drafter the real tier trains (hidden 576, MLP 1536, 9 heads, draft
 vocabulary 8192); ``tiny`` the tests' drafter.
@@ -32,6 +36,7 @@ import time
 import torch
 
 from benchmarks.common import SHAPES, bench_model, fake_batch
+from draftline.drafter.attention import NAME as BLOCKWISE
 
 KINDS = (  # first match wins
     ("attention", ("scaled_dot_product", "_flash_attention", "_efficient_attention", "baddbmm", "bmm")),
@@ -87,22 +92,26 @@ def _step(model, batches, ttt: int, cfg, plain: bool):
     return step
 
 
-def _variant(shape: str, tokens: int, micro: int, loss: str, plain: bool, dtype: torch.dtype, ttt: int = 3):
+def _variant(shape: str, tokens: int, micro: int, loss: str, plain: bool, attn: str, dtype: torch.dtype,
+             ttt: int = 3):
     from speculators.losses import resolve_loss_config
 
     from draftline.drafter.model import loss_config
 
-    model = bench_model(shape, "cpu", dtype=dtype)
+    model = bench_model(shape, "cpu", dtype=dtype, attn=attn)
     per = tokens // micro
     batches = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in fake_batch(model, per, "cpu", seed=i).items()}
                for i in range(micro)]
     cfg = resolve_loss_config("kl_div", "eager") if loss == "eager" else loss_config()
     step = _step(model, batches, ttt, cfg, plain)
     step()  # warm-up
-    return step, sum(int(b["input_ids"].numel()) for b in batches)
+    return step, sum(int(b["input_ids"].numel()) for b in batches), _profile(step)
 
 
-def _profile(step, step_s: float) -> dict:
+def _profile(step) -> tuple[dict, float]:
+    """Shares of one profiled step and the matmul FLOPs it counted. Taken right after the variant's warm-up: a
+    step profiled after many others' spends far longer in the large float32 temporaries of the loss (the
+    allocator's state; timings outside the profiler do not move)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
         step()
     shares: dict[str, float] = {}
@@ -111,40 +120,42 @@ def _profile(step, step_s: float) -> dict:
         shares[_kind(e.key)] = shares.get(_kind(e.key), 0.0) + e.self_cpu_time_total
         flops += e.flops or 0
     total = sum(shares.values()) or 1.0
-    return {"share": {k: round(v / total, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
-            "profiled_matmul_gflop": round(flops / 1e9, 2),
-            "achieved_tflops": round(flops / step_s / 1e12, 3)}
+    return {k: round(v / total, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}, flops
 
 
 def run(shape: str = "smollm2", tokens: int = 1024, rounds: int = 5, threads: int = 1,
-        micro: tuple[int, ...] = (2, 4)) -> dict:
+        micro: tuple[int, ...] = (2,)) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(threads)
     h = SHAPES[shape]["hidden_size"]
     peak = {"bf16": round(matmul_peak(torch.bfloat16, tokens, h), 3),
             "fp32": round(matmul_peak(torch.float32, tokens, h), 3)}
     dtype = torch.bfloat16 if peak["bf16"] > peak["fp32"] else torch.float32
-    plan = {"before": (1, "eager", True), "onepass-loss": (1, "onepass", True), "finetune": (1, "onepass", False),
-            **{f"finetune+micro{m}": (m, "onepass", False) for m in micro if tokens % m == 0}}
-    steps = {name: _variant(shape, tokens, m, loss, plain, dtype) for name, (m, loss, plain) in plan.items()}
+    plan = {"before": (1, "eager", True, "sdpa"), "onepass-loss": (1, "onepass", True, "sdpa"),
+            "argmax-by-max": (1, "onepass", False, "sdpa"), "finetune": (1, "onepass", False, BLOCKWISE),
+            **{f"finetune+micro{m}": (m, "onepass", False, BLOCKWISE) for m in micro if tokens % m == 0}}
+    steps = {name: _variant(shape, tokens, m, loss, plain, attn, dtype)
+             for name, (m, loss, plain, attn) in plan.items()}
     times: dict[str, list[float]] = {name: [] for name in plan}
     for _ in range(rounds):
-        for name, (step, _tokens) in steps.items():
+        for name, (step, _tokens, _prof) in steps.items():
             t = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t)
     variants = {}
-    for name, (step, real) in steps.items():
+    for name, (_step, real, (share, flops)) in steps.items():
         step_s = statistics.median(times[name])
         per_round = [b / x for x, b in zip(times[name], times["before"], strict=True)]
         variants[name] = {
             "dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype], "tokens": real,
             "micro_batches": plan[name][0], "loss": plan[name][1], "argmax": "pytorch" if plan[name][2] else "max",
+            "attention": plan[name][3],
             "step_s_median": round(step_s, 3), "step_s_spread": [round(min(times[name]), 3), round(max(times[name]), 3)],
             "tokens_per_s": round(real / step_s, 1),
             "speedup": {"median": round(statistics.median(per_round), 2),
                         "range": [round(min(per_round), 2), round(max(per_round), 2)]},
-            **_profile(step, step_s)}
+            "share": share, "profiled_matmul_gflop": round(flops / 1e9, 2),
+            "achieved_tflops": round(flops / step_s / 1e12, 3)}
         variants[name]["of_peak"] = round(variants[name]["achieved_tflops"] / peak[variants[name]["dtype"]], 3)
     summary = {"matmul peak bf16 / fp32 TFLOP/s": f"{peak['bf16']} / {peak['fp32']} ({threads} thread(s))",
                **{f"{k} tokens/s": f"{v['tokens_per_s']} (x{v['speedup']['median']} "

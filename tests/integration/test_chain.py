@@ -35,6 +35,7 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     run = client.get_run(ft["run_id"])
     p = run.data.params
     assert p["train.micro_batch_tokens"] == "128"
+    assert p["train.attn_impl"] == "blockwise"  # auto, on CPU ranks
     assert p["init"] == "tiny" and p["parent.source"] == "draftline/tiny-parent"
     assert p["parent.layout"] == "midlayer" and p["parent.key_remap"] == "midlayer.->layers.0."
     assert p["parent.sha256"] == files_digest(find_checkpoint(tiny["parent"]).weights)

@@ -73,8 +73,10 @@ def test_message_offers_a_higher_stage_and_more_gpus(kimi):
     assert "more GPUs" in msg and p["stages"]["1"]["min_gpus"] > 8
 
 
-def test_activation_estimate_matches_what_autograd_saves():
-    """The estimate's saved part against the tensors autograd keeps for a scaled-down drafter (sdpa, CPU)."""
+@pytest.mark.parametrize("attn", ["sdpa", "blockwise"])
+def test_activation_estimate_matches_what_autograd_saves(attn):
+    """The estimate's saved part against the tensors autograd keeps for a scaled-down drafter (CPU), one sample
+    filling the pack (blockwise's most)."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
 
@@ -84,8 +86,8 @@ def test_activation_estimate_matches_what_autograd_saves():
     shape = dict(hidden_size=h, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                  vocab_size=v)
     cfg = drafter_shape.llama_drafter_config(shape, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
-    est = plan.activation_bytes(plan.count_params(cfg)["shape"], t, k, "bf16", "sdpa")
-    cfg.transformer_layer_config._attn_implementation = "sdpa"
+    est = plan.activation_bytes(plan.count_params(cfg)["shape"], t, k, "bf16", attn)
+    cfg.transformer_layer_config._attn_implementation = attn
     torch.manual_seed(0)
     model = Eagle3DraftModel(cfg)
     ids = torch.arange(dv) * (v // dv)

@@ -176,8 +176,9 @@ def inspect(target, allow_pickle, as_json):
               help="Test-time-training steps (draft positions).")
 @click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
               help="Training precision.")
-@click.option("--attn-impl", type=click.Choice(["sdpa", "eager", "simple_flex_attention"]), default="sdpa",
-              show_default=True, help="Attention implementation the drafter trains with.")
+@click.option("--attn-impl", type=click.Choice(["sdpa", "eager", "simple_flex_attention", "blockwise"]),
+              default="sdpa", show_default=True,
+              help="Attention the drafter trains with (finetune's auto: sdpa on GPUs, blockwise on CPUs).")
 @click.option("--margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
               help="Share of GPU memory kept free for what is not modelled (CUDA context, NCCL, fragmentation).")
 @click.option("--zero-stage", type=click.IntRange(0, 3), default=None,

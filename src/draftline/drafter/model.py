@@ -11,6 +11,7 @@ from tqdm.auto import trange
 from transformers import AutoConfig
 
 from draftline.console import bar_kwargs
+from draftline.drafter import attention  # noqa: F401  (registers the blockwise draft attention with transformers)
 from draftline.drafter.batches import batch_plan, batches
 from draftline.drafter.fast_ops import bf16_argmax_by_max
 from draftline.drafter.loss import kl_div

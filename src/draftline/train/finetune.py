@@ -22,7 +22,7 @@ from draftline.config import FinetuneConfig, shipped, work_dir
 from draftline.console import say
 from draftline.data.refs import dataset_name, resolve_data
 from draftline.data.shards import PreparedData, open_prepared
-from draftline.drafter import handoff
+from draftline.drafter import attention, handoff
 from draftline.drafter.checkpoints import CheckpointFiles, detect_layout, find_checkpoint, read_header, read_tensors
 from draftline.drafter.model import LAYER_FILE, PAIRING
 from draftline.drafter.parents import Parent, resolve_init
@@ -277,7 +277,8 @@ def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, 
                               intermediate=int(layer["intermediate_size"]),
                               resumed=resumed_precision(resume_run) if resume_run else None)
     measured = cfg.precision == "auto"
-    cfg = cfg.model_copy(update={"precision": chosen.precision})
+    cfg = cfg.model_copy(update={"precision": chosen.precision,
+                                 "attn_impl": attention.choose(cfg.attn_impl, on_cpu=on_cpu)})
     conf = ds_config(cfg)
     gpus, nodes = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, 1)
     # DeepSpeed's own rules, before the run

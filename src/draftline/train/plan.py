@@ -95,7 +95,10 @@ def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precisi
     * transient: the next logits, bV.
 
     Plus, over the whole batch, T^2 * k(k+1)/2 x (2 for ``sdpa``'s dense bf16 masks, or (4 + b) x heads for
-    ``eager``'s materialised attention probabilities); ``simple_flex_attention`` has neither. Checked on the CPU
+    ``eager``'s materialised attention probabilities); ``simple_flex_attention`` has neither. ``blockwise``
+    (:mod:`draftline.drafter.attention`) keeps one sample's probabilities per step, fp32 and in b, and its causal
+    mask: k x ((4 + b) x heads + 1) x T^2 for a pack that is one sample (the most; four samples keep a quarter),
+    plus each later step's diagonal keys and values, b*2q * k(k-1)/2 per token. Checked on the CPU
     against the tensors autograd saves (``torch.autograd.graph.saved_tensors_hooks``) for a scaled-down drafter:
     within 0.1% for sdpa and eager (tests/unit/test_plan.py). Not counted: gradients of activations during the
     backward (transient, one layer's worth at a time) and kernel workspaces; the margin covers them."""
@@ -107,11 +110,18 @@ def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precisi
     per_step = layers * (3 * norm + b * (2 * h + 3 * q + 4 * i)) + norm + b * 2 * d + 4 * v
     repeated = attn_impl != "simple_flex_attention" and kv < q
     kv_cache = layers * b * 2 * (q if repeated else kv) * tri
+    if attn_impl == "blockwise":  # each later step's diagonal keys and values, gathered per sample
+        kv_cache += layers * b * 2 * q * (tri - ttt_steps)
     once = b * (shape["num_aux"] * h + h + v) + 8 * v + (layers * b * 2 * kv * ttt_steps if repeated else 0)
     transient = b * v
     per_token = ttt_steps * per_step + kv_cache + once + transient
-    dense = {"simple_flex_attention": 0, "sdpa": 2, "eager": (4 + b) * shape["num_attention_heads"]}
-    quadratic = layers * dense.get(attn_impl, 2) * tokens * tokens * tri
+    heads = shape["num_attention_heads"]
+    if attn_impl == "blockwise":  # per step, one sample's scores: fp32 softmax + its weights, and the causal mask
+        quadratic = layers * ttt_steps * ((4 + b) * heads + 1) * tokens * tokens + \
+            layers * (4 + b) * heads * tokens * (tri - ttt_steps)
+    else:
+        dense = {"simple_flex_attention": 0, "sdpa": 2, "eager": (4 + b) * heads}
+        quadratic = layers * dense.get(attn_impl, 2) * tokens * tokens * tri
     return {"bytes": tokens * per_token + quadratic, "bytes_per_token": per_token, "quadratic": quadratic,
             "attn_impl": attn_impl,
             "formula": "tokens x (ttt_steps x per_step + kv_cache + once + transient) + masks/scores",
