@@ -1,15 +1,19 @@
 """The prepared GPU check (``benchmarks/gpu_check.sh`` installs the carried wheels, then runs this).
 
-    python -m benchmarks.gpu_check [--shape real|tiny] [--out FILE] [--parts train_step,attention,finetune]
+    python -m benchmarks.gpu_check [--shape real|tiny] [--out FILE] [--parts train_step,attention,step_profile,finetune]
 
-Three parts, each in its own process (a crash or an out-of-memory in one does not lose the others), each with
+Four parts, each in its own process (a crash or an out-of-memory in one does not lose the others), each with
 its share of the time budget; the JSON is rewritten after every part, so a timeout keeps what finished:
 
 * ``train_step``: the Kimi-K2 drafter's step (hidden 7168, draft vocabulary 32000, target vocabulary 163840),
   bare PyTorch AdamW vs ZeRO-2 and ZeRO-3 on one rank (``benchmarks.train_step``, interleaved rounds): tokens/s,
   MFU against 790 TFLOP/s (bf16 dense, H200), each variant's peak memory vs what ``draftline plan`` predicts.
 * ``attention``: forward + backward of the same drafter with ``sdpa`` vs ``simple_flex_attention`` (what
-  speculators picks when no implementation is set) at the same tokens per rank; flex needs CUDA.
+  speculators picks when no implementation is set) vs ``blockwise`` (finetune's choice on CPU ranks) at the same
+  tokens per rank; flex needs CUDA.
+* ``step_profile``: ``benchmarks.step_profile`` on the device: the step before the CPU work (speculators' eager
+  KL) vs the one-pass loss vs blockwise attention, interleaved rounds, kernel-time shares per kind of operator,
+  and MFU against 790 TFLOP/s.
 * ``finetune``: ``draftline finetune`` for 10 steps from a random AQ-MedAI-layout parent on synthetic
   hidden-state shards, then ``draftline export`` (which reloads the export through speculators and compares),
   on a sqlite tracking store inside the run's folder.
@@ -36,12 +40,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "gpu-check.json"
 PEAK_TFLOPS = 790.0  # H200, bf16 dense
-PARTS = ("train_step", "attention", "finetune")
+PARTS = ("train_step", "attention", "step_profile", "finetune")
 SIZES = {  # tokens per rank, timed iterations, finetune steps, synthetic samples x tokens
     "real": {"tokens": 4096, "iters": 5, "steps": 10, "samples": 10, "sample_tokens": 1024},
     "tiny": {"tokens": 128, "iters": 2, "steps": 3, "samples": 8, "sample_tokens": 96},
 }
-SHARE = {"train_step": 0.25, "attention": 0.15, "finetune": 0.6}  # of the time budget
+SHARE = {"train_step": 0.25, "attention": 0.1, "step_profile": 0.15, "finetune": 0.5}  # of the time budget
 
 
 MARK = "GPU-CHECK-RESULT "
@@ -157,7 +161,8 @@ def part_attention(shape: str) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     size, cfg = SIZES[shape], loss_config()
-    impls = {"sdpa": None, "simple_flex_attention": None if cuda else "flex attention needs CUDA (no GPU here)"}
+    impls = {"sdpa": None, "simple_flex_attention": None if cuda else "flex attention needs CUDA (no GPU here)",
+             "blockwise": None}
     out: dict = {"shape": shape, "device": str(device), "tokens_per_rank": size["tokens"], "impls": {}}
     steps, peak = {}, {}
     for impl, skip in impls.items():
@@ -204,10 +209,26 @@ def part_attention(shape: str) -> dict:
             "step_s_median": med, "step_s_all": ts, "tokens_per_s": size["tokens"] / med,
             "mfu": flops / med / 1e12 / PEAK_TFLOPS if cuda else None,
             "peak_gpu_mem_gib": peak[impl], "plan_activations_gib": plan["activations"]["bytes"] / 2**30})
-    if len(times) == 2:
+    if {"sdpa", "simple_flex_attention"} <= times.keys():
         out["flex_over_sdpa_time"] = out["impls"]["simple_flex_attention"]["step_s_median"] / \
             out["impls"]["sdpa"]["step_s_median"]
     out["what"] = "forward + backward (no optimiser) of the bf16 drafter, ttt 3, 4 samples packed"
+    return out
+
+
+def part_step_profile(shape: str) -> dict:
+    need("speculators.models.eagle3")
+    from benchmarks.common import SHAPES
+    from benchmarks.step_profile import run
+
+    cuda = _cuda()
+    size = SIZES[shape]
+    out = run(shape=shape, tokens=size["tokens"], rounds=3, micro=(), device="cuda" if cuda else "cpu",
+              variants=("onepass-loss", "blockwise"))
+    flops = step_flops(SHAPES[shape], size["tokens"])
+    for v in out["by_variant"].values():
+        v["mfu"] = flops / v["step_s_median"] / 1e12 / PEAK_TFLOPS if cuda else None
+    out["model_flops_per_step"], out["peak_tflops"] = flops, PEAK_TFLOPS
     return out
 
 
@@ -267,6 +288,8 @@ def child(part: str, shape: str, work: str) -> dict:
             return part_train_step(shape)
         if part == "attention":
             return part_attention(shape)
+        if part == "step_profile":
+            return part_step_profile(shape)
         return part_finetune(shape, Path(work) / part)
     except Skip as e:
         return {"skipped": str(e)}

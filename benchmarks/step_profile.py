@@ -15,9 +15,9 @@ moves them all; ratios are per round against ``before``, median and range):
   changes);
 - ``onepass-loss``: the loss finetune trains with (:mod:`draftline.drafter.loss`);
 - ``argmax-by-max``: and bf16 argmax by ``max`` (:mod:`draftline.drafter.fast_ops`);
-- ``finetune``: the step finetune runs on CPU ranks: and the ``blockwise`` draft attention
+- ``blockwise``: the step finetune runs on CPU ranks: and the ``blockwise`` draft attention
   (:mod:`draftline.drafter.attention`: per packed sample, the draft positions' keys as diagonals);
-- ``finetune+micro<m>``: the same tokens split into ``m`` micro-batches with their gradients accumulated
+- ``blockwise+micro<m>``: the same tokens split into ``m`` micro-batches with their gradients accumulated
   (``finetune --micro-batch-tokens``, off by default: under ZeRO-2 on two ranks each micro-batch's gradient
   reduction costs what the smaller packs save).
 
@@ -51,14 +51,23 @@ KINDS = (  # first match wins
 )
 
 
-def matmul_peak(dtype: torch.dtype, rows: int, hidden: int, reps: int = 6) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(dtype: torch.dtype, rows: int, hidden: int, reps: int = 6, device: str = "cpu") -> float:
     """TFLOP/s of a [rows, hidden] x [hidden, 4 hidden] GEMM on all threads (the best of ``reps``)."""
-    a, b = torch.randn(rows, hidden, dtype=dtype), torch.randn(hidden, 4 * hidden, dtype=dtype)
+    dev = torch.device(device)
+    a = torch.randn(rows, hidden, dtype=dtype, device=dev)
+    b = torch.randn(hidden, 4 * hidden, dtype=dtype, device=dev)
     a @ b
     best = float("inf")
     for _ in range(reps):
+        _sync(dev)
         t = time.perf_counter()
         a @ b
+        _sync(dev)
         best = min(best, time.perf_counter() - t)
     return 2 * rows * hidden * 4 * hidden / best / 1e12
 
@@ -93,54 +102,68 @@ def _step(model, batches, ttt: int, cfg, plain: bool):
 
 
 def _variant(shape: str, tokens: int, micro: int, loss: str, plain: bool, attn: str, dtype: torch.dtype,
-             ttt: int = 3):
+             device: torch.device, ttt: int = 3):
     from speculators.losses import resolve_loss_config
 
     from draftline.drafter.model import loss_config
 
-    model = bench_model(shape, "cpu", dtype=dtype, attn=attn)
+    model = bench_model(shape, device, dtype=dtype, attn=attn)
     per = tokens // micro
-    batches = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in fake_batch(model, per, "cpu", seed=i).items()}
+    batches = [{k: v.to(dtype) if v.is_floating_point() else v for k, v in fake_batch(model, per, device, seed=i).items()}
                for i in range(micro)]
     cfg = resolve_loss_config("kl_div", "eager") if loss == "eager" else loss_config()
     step = _step(model, batches, ttt, cfg, plain)
     step()  # warm-up
-    return step, sum(int(b["input_ids"].numel()) for b in batches), _profile(step)
+    _sync(device)
+    return step, sum(int(b["input_ids"].numel()) for b in batches), _profile(step, device)
 
 
-def _profile(step) -> tuple[dict, float]:
-    """Shares of one profiled step and the matmul FLOPs it counted. Taken right after the variant's warm-up: a
-    step profiled after many others' spends far longer in the large float32 temporaries of the loss (the
-    allocator's state; timings outside the profiler do not move)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
+def _profile(step, device: torch.device) -> tuple[dict, float]:
+    """Shares of one profiled step (the device's kernel time on a GPU) and the matmul FLOPs it counted. Taken
+    right after the variant's warm-up: on a CPU a step profiled after many others' spends far longer in the
+    loss's large float32 temporaries (the allocator's state; timings outside the profiler do not move)."""
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities, with_flops=True) as prof:
         step()
+        _sync(device)
     shares: dict[str, float] = {}
     flops = 0.0
     for e in prof.key_averages():
-        shares[_kind(e.key)] = shares.get(_kind(e.key), 0.0) + e.self_cpu_time_total
+        took = e.self_device_time_total if cuda else e.self_cpu_time_total
+        shares[_kind(e.key)] = shares.get(_kind(e.key), 0.0) + took
         flops += e.flops or 0
     total = sum(shares.values()) or 1.0
     return {k: round(v / total, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}, flops
 
 
+VARIANTS = {  # name: micro-batches, loss, speculators' forward as it is (PyTorch's argmax), attention
+    "before": (1, "eager", True, "sdpa"), "onepass-loss": (1, "onepass", True, "sdpa"),
+    "argmax-by-max": (1, "onepass", False, "sdpa"), "blockwise": (1, "onepass", False, BLOCKWISE)}
+
+
 def run(shape: str = "smollm2", tokens: int = 1024, rounds: int = 5, threads: int = 1,
-        micro: tuple[int, ...] = (2,)) -> dict:
+        micro: tuple[int, ...] = (2,), device: str = "cpu", variants: tuple[str, ...] = tuple(VARIANTS)) -> dict:
+    """``variants`` (of :data:`VARIANTS`, ``before`` always) and ``blockwise+micro<m>`` for each ``micro``."""
     torch.manual_seed(0)
-    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(threads)
     h = SHAPES[shape]["hidden_size"]
-    peak = {"bf16": round(matmul_peak(torch.bfloat16, tokens, h), 3),
-            "fp32": round(matmul_peak(torch.float32, tokens, h), 3)}
+    peak = {"bf16": round(matmul_peak(torch.bfloat16, tokens, h, device=device), 3),
+            "fp32": round(matmul_peak(torch.float32, tokens, h, device=device), 3)}
     dtype = torch.bfloat16 if peak["bf16"] > peak["fp32"] else torch.float32
-    plan = {"before": (1, "eager", True, "sdpa"), "onepass-loss": (1, "onepass", True, "sdpa"),
-            "argmax-by-max": (1, "onepass", False, "sdpa"), "finetune": (1, "onepass", False, BLOCKWISE),
-            **{f"finetune+micro{m}": (m, "onepass", False, BLOCKWISE) for m in micro if tokens % m == 0}}
-    steps = {name: _variant(shape, tokens, m, loss, plain, attn, dtype)
+    plan = {name: VARIANTS[name] for name in ("before", *variants) if name in VARIANTS}
+    plan.update({f"blockwise+micro{m}": (m, "onepass", False, BLOCKWISE) for m in micro if tokens % m == 0})
+    steps = {name: _variant(shape, tokens, m, loss, plain, attn, dtype, dev)
              for name, (m, loss, plain, attn) in plan.items()}
     times: dict[str, list[float]] = {name: [] for name in plan}
     for _ in range(rounds):
         for name, (step, _tokens, _prof) in steps.items():
+            _sync(dev)
             t = time.perf_counter()
             step()
+            _sync(dev)
             times[name].append(time.perf_counter() - t)
     variants = {}
     for name, (_step, real, (share, flops)) in steps.items():
@@ -157,10 +180,11 @@ def run(shape: str = "smollm2", tokens: int = 1024, rounds: int = 5, threads: in
             "share": share, "profiled_matmul_gflop": round(flops / 1e9, 2),
             "achieved_tflops": round(flops / step_s / 1e12, 3)}
         variants[name]["of_peak"] = round(variants[name]["achieved_tflops"] / peak[variants[name]["dtype"]], 3)
-    summary = {"matmul peak bf16 / fp32 TFLOP/s": f"{peak['bf16']} / {peak['fp32']} ({threads} thread(s))",
+    where = f"{threads} thread(s)" if dev.type == "cpu" else torch.cuda.get_device_name(dev)
+    summary = {"matmul peak bf16 / fp32 TFLOP/s": f"{peak['bf16']} / {peak['fp32']} ({where})",
                **{f"{k} tokens/s": f"{v['tokens_per_s']} (x{v['speedup']['median']} "
                   f"[{v['speedup']['range'][0]}, {v['speedup']['range'][1]}] vs before; top: "
                   f"{', '.join(f'{n} {s:.0%}' for n, s in list(v['share'].items())[:3])})"
                   for k, v in variants.items()}}
-    return {"shape": shape, "threads": threads, "tokens_per_step": tokens, "rounds": rounds,
+    return {"shape": shape, "device": str(dev), "threads": threads, "tokens_per_step": tokens, "rounds": rounds,
             "matmul_peak_tflops": peak, "by_variant": variants, "summary": summary}

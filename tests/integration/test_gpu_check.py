@@ -1,6 +1,6 @@
 """The prepared GPU check, CPU-sized (``--shape tiny``), so it does not rot between GPU runs: the same script and
-parts as on the H200 (train step bare vs ZeRO-2/3, sdpa vs flex attention, a finetune through export and the
-speculators reload), on the CPU with gloo ranks; flex attention is skipped, saying why."""
+parts as on the H200 (train step bare vs ZeRO-2/3, sdpa vs flex vs blockwise attention, the step profile, a
+finetune through export and the speculators reload), on the CPU with gloo ranks; flex attention is skipped, saying why."""
 
 import json
 import os
@@ -27,7 +27,7 @@ def test_gpu_check_tiny_runs_every_part(tmp_path):
     result = json.loads(out.read_text())
     parts = result["parts"]
     assert result["standins"] == ["datasets"]
-    assert set(parts) == {"train_step", "attention", "finetune"}, proc.stdout
+    assert set(parts) == {"train_step", "attention", "step_profile", "finetune"}, proc.stdout
     for name, part in parts.items():
         assert "error" not in part and "skipped" not in part, f"{name}: {part}"
 
@@ -37,9 +37,13 @@ def test_gpu_check_tiny_runs_every_part(tmp_path):
     assert all(variants[s]["plan_gib"] > 0 for s in ("zero2", "zero3"))
 
     impls = parts["attention"]["impls"]
-    assert impls["sdpa"]["tokens_per_s"] > 0
+    assert impls["sdpa"]["tokens_per_s"] > 0 and impls["blockwise"]["tokens_per_s"] > 0
     flex = impls["simple_flex_attention"]
     assert ("skipped" in flex and "CUDA" in flex["skipped"]) if not result["machine"]["cuda"] else "step_s_median" in flex
+
+    profile = parts["step_profile"]["by_variant"]
+    assert set(profile) == {"before", "onepass-loss", "blockwise"}
+    assert all(v["tokens_per_s"] > 0 and sum(v["share"].values()) > 0.99 for v in profile.values())
 
     ft = parts["finetune"]
     assert ft["export_validated"] == "true" and ft["model_uri"] == "models:/gpu-check/1"
