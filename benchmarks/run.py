@@ -51,7 +51,11 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
         ("--tokens", dict(type=int, default=512, metavar="N", help="tokens per step (default: %(default)s)")),
         ("--iters", dict(type=int, default=8, metavar="N", help="steps per variant a round (default: %(default)s)")),
         ("--rounds", dict(type=int, default=3, metavar="N",
-                          help="interleaved rounds, >= 3 for a spread (default: %(default)s)"))]),
+                          help="interleaved rounds, >= 3 for a spread (default: %(default)s)")),
+        ("--attn", dict(default="auto", metavar="IMPL",
+                        help="draft attention of every variant (default: %(default)s, finetune's choice)")),
+        ("--against", dict(default=None, metavar="IMPL",
+                           help="also ZeRO-2 with this attention, and zero2's speedup over it (e.g. sdpa)"))]),
     "parent-load": ("load + remap of an AQ-MedAI-layout parent vs reading its tensors", [
         shape("real", "real (a 2.4 GB checkpoint) or tiny")]),
     "warm-start": ("finetune steps from the parent vs from random init (smollm2: after ./demo_real.sh)", [

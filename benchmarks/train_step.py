@@ -63,14 +63,27 @@ def _time(step, warmup: int, iters: int, sync) -> list[float]:
     return times
 
 
+def _speedup(ratios: dict[str, list[float]], attn: str, against: str) -> dict:
+    """zero2's speedup over ``zero2@<against>``, per round (both ratios are to the same round's bare step)."""
+    per_round = [o / z for o, z in zip(ratios[f"zero2@{against}"], ratios["zero2"], strict=True)]
+    lo, mid, hi = min(per_round), statistics.median(per_round), max(per_round)
+    return {"zero2_speedup_over_" + against: {"median": mid, "per_round": per_round, "spread": [lo, hi]},
+            "summary": {f"zero2 ({attn}) vs zero2@{against}": f"x{mid:.2f} [{lo:.2f}, {hi:.2f}] tokens/s, per round"}}
+
+
 def run(shape: str = "tiny", tokens: int = 512, iters: int = 8, warmup: int = 2, stages=(1, 2, 3),
-        rounds: int = 3) -> dict:
+        rounds: int = 3, attn: str = "auto", against: str | None = None) -> dict:
     """Every variant is built first; then ``rounds`` rounds each time ``iters`` steps of every variant, the order
     rotated each round, so a busy machine slows all variants alike. Each round gives one ratio per variant
     (its median step over bare's median step in that round); the result is the median ratio and its spread
-    over rounds, and a ratio whose spread includes 1.0 is reported as not distinguishable from bare."""
+    over rounds, and a ratio whose spread includes 1.0 is reported as not distinguishable from bare.
+
+    ``attn`` is the draft attention of every variant (``auto``: finetune's choice on this device); ``against``
+    adds ``zero2@<against>``, finetune's ZeRO-2 step with that attention instead, and the per-round speedup of
+    ``zero2`` over it."""
     import deepspeed
 
+    from draftline.drafter.attention import choose
     from draftline.drafter.model import loss_config
 
     cuda = torch.cuda.is_available()
@@ -87,16 +100,17 @@ def run(shape: str = "tiny", tokens: int = 512, iters: int = 8, warmup: int = 2,
     device = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     cfg, ttt = loss_config(), 3
-    names = ["bare", *(f"zero{s}" for s in stages)]
+    attn = choose(attn, on_cpu=not cuda)
+    names = ["bare", *(f"zero{s}" for s in stages), *([f"zero2@{against}"] if against else [])]
     steps, peak = {}, {}
     for name in names:  # built one at a time: the others sit idle, so each variant's own peak is measurable
         before = torch.cuda.memory_allocated() if cuda else 0
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         torch.manual_seed(0)
-        model = bench_model(shape, device)
+        model = bench_model(shape, device, attn=name.partition("@")[2] or attn)
         batch = fake_batch(model, tokens, device)
-        stage = None if name == "bare" else int(name[4:])
+        stage = None if name == "bare" else int(name[4:].partition("@")[0])
         steps[name] = _bare_step(model, batch, ttt, cfg) if stage is None else _ds_step(model, batch, ttt, cfg, stage)
         _time(steps[name], max(warmup, 1), 0, sync)
         if cuda:  # this variant's peak over build, engine and a step, without what the other variants hold
@@ -122,7 +136,9 @@ def run(shape: str = "tiny", tokens: int = 512, iters: int = 8, warmup: int = 2,
                          "distinguishable_from_bare": name == "bare" or not (lo <= 1.0 <= hi)}
         if cuda:
             results[name]["peak_gpu_mem_gib"] = peak[name]  # build + engine + one step, this variant alone
-    return {"shape": shape, "device": str(device), "tokens_per_step": tokens, "iters": iters, "rounds": rounds,
+    out = _speedup(ratios, attn, against) if against else {}
+    return {**out, "shape": shape, "device": str(device), "attn": attn, "tokens_per_step": tokens, "iters": iters,
+            "rounds": rounds,
             "method": "variants interleaved, order rotated each round; ratio = median over rounds of the "
                       "round's median step / bare's; spread = min..max over rounds",
             "targets": {"zero2": 1.10, "zero3": 1.25}, "variants": results}
