@@ -115,8 +115,8 @@ def run(shape: str = "tiny", tokens: int = 512, iters: int = 8, warmup: int = 2,
         _time(steps[name], max(warmup, 1), 0, sync)
         if cuda:  # this variant's peak over build, engine and a step, without what the other variants hold
             peak[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
-    times = {n: [] for n in names}
-    ratios = {n: [] for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         medians = {}
