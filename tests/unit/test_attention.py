@@ -51,26 +51,39 @@ def _layer_and_qkv(steps=3, t=12, seed=0):
             torch.randn(1, kv, steps * t, d, generator=g))
 
 
-def test_any_other_mask_is_sdpa_itself():
-    """A pair across samples attended, or a padded row (speculators' document id -1: only its diagonals): not the
-    TTT mask over contiguous samples, so the whole mask goes to transformers' sdpa, unchanged."""
+def _mask(ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """speculators' TTT mask for three steps (``create_combined_mask_mod``), boolean ``[T, 3T]``."""
+    t = ids.numel()
+    q, k = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    first = (q >= k) & (ids[:, None] != -1) & (ids[:, None] == ids[None, :])
+    if window is not None:
+        first &= k > q - window
+    eye = q == k
+    return torch.cat([first | eye, eye, eye], dim=1)
+
+
+def test_padding_rows_are_one_token_samples_and_any_other_mask_is_sdpa_itself():
+    """speculators' padding (document id -1) leaves a row only its diagonals: a one-token sample, computed
+    blockwise. A pair across samples attended, or a sliding window, is not the TTT mask over contiguous samples:
+    the whole mask goes to transformers' sdpa, unchanged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     module, q, k, v = _layer_and_qkv()
-    ids = torch.tensor([0] * 5 + [1] * 7)
-    causal = (ids[:, None] == ids[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
-    eye = torch.eye(12, dtype=torch.bool)
-    ttt = torch.cat([causal, eye, eye], dim=1)
-    assert attention.spans(ttt, 3) == [(0, 5), (5, 12)]
-    across = ttt.clone()
+    packed = _mask(torch.tensor([0] * 5 + [1] * 7))
+    padded = _mask(torch.tensor([0] * 5 + [1] * 5 + [-1] * 2))
+    assert attention.spans(packed, 3) == [(0, 5), (5, 12)]
+    assert attention.spans(padded, 3) == [(0, 5), (5, 10), (10, 11), (11, 12)]
+    across = packed.clone()
     across[8, 2] = True
-    padded = ttt.clone()
-    padded[10:, :12] = False
-    for mask in (across, padded):
-        assert attention.spans(mask, 3) is None
+    window = _mask(torch.tensor([0] * 5 + [1] * 7), window=3)
+    for mask, ours in ((packed, True), (padded, True), (across, False), (window, False)):
+        assert (attention.spans(mask, 3) is not None) == ours
         want, _ = sdpa_attention_forward(module, q, k, v, mask[None, None], scaling=module.scaling)
         got, _ = attention.blockwise_attention(module, q, k, v, mask[None, None], scaling=module.scaling)
-        assert torch.equal(got, want)
+        if ours:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(got, want)
 
 
 def test_auto_is_blockwise_on_cpu_ranks_and_sdpa_on_gpus():
