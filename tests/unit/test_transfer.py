@@ -102,7 +102,7 @@ def test_a_blob_changed_while_it_is_copied_is_refused_and_evicted(store, tmp_pat
     with pytest.raises(VerificationError, match=r"cached copy of model\.safetensors .* changed while it was copied"):
         fetch_directory(uri, tmp_path / "b", cache=BlobCache())
     assert not (tmp_path / "b").exists() and BlobCache().get(digest) is None
-    monkeypatch.undo()
+    monkeypatch.setattr(blobcache.shutil, "copyfile", real_copy)  # not undo(): that would drop the test's cache dir too
     assert fetch_directory(uri, tmp_path / "b", cache=BlobCache())["downloaded_bytes"] == len(FILES["model.safetensors"])
 
 
