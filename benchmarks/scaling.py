@@ -175,7 +175,7 @@ def _plot(out: dict, path: Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("tokens trained on (steps x 2048, repeats counted)")
         ax.set_ylabel("acceptance length at k=3")
-        ax.set_title(f"the full tier's child: {tier['conversations']} conversations, from its cached parent",
+        ax.set_title(f"the full tier's child: {tier['conversations']} conversations, from the tier's parent",
                      fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
