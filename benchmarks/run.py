@@ -78,9 +78,11 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
         ("--prompts", dict(type=int, default=16, dest="prompts_n", metavar="N",
                            help="prompts per variant (default: %(default)s)"))]),
     "scaling": ("served acceptance against data, same compute", [
-        ("--sizes", dict(type=_ints, default="16,64,128", metavar="N,N,...",
-                         help="nested subsets of GSM8K train conversations (default: %(default)s)")),
-        steps("finetune steps for every size (same compute)"),
+        ("--sizes", dict(type=_ints, default="64,256,768", metavar="N,N,...",
+                         help="nested subsets of GSM8K train conversations, at most 800: the last 200 prompts "
+                              "are the parent's (default: %(default)s)")),
+        ("--steps", dict(type=int, default=300, metavar="N",
+                         help="finetune steps for every size (same compute) (default: %(default)s)")),
         PARENT,
         ("--replot", dict(action="store_true",
                           help="draw the plot again from the results only (after a new full real-tier run)"))]),

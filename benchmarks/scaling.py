@@ -1,6 +1,6 @@
 """scaling: how served acceptance grows with the team's data, at a fixed training budget.
 
-``python -m benchmarks.run scaling [--sizes 16,64,128] [--steps 60]`` with the SmolLM2 verifier on the CPU:
+``python -m benchmarks.run scaling [--sizes 64,256,768] [--steps 300]`` with the SmolLM2 verifier on the CPU:
 
 1. one real ``vllm serve`` of the verifier (``./setup.sh --vllm``) answers the GSM8K train prompts (the first N
    of ``configs/demo/gsm8k_train_prompts.jsonl`` for each N: nested subsets) and the first 16 GSM8K *test* prompts
@@ -10,7 +10,7 @@
    which ``demo_real.sh`` builds and caches: :func:`real_tier_parent`; ``--init random`` otherwise, said in the
    JSON)
    with the same steps, tokens per batch, learning rate and seed: the same compute, more or fewer unique
-   conversations (16 conversations are seen many times over, 128 a few);
+   conversations (64 conversations are seen ~40 times over, 768 about three times);
 3. ``draftline evaluate --measured true`` of each child, and of the parent, on the held-out set, as vLLM serves
    it (``backend: vllm``): measured acceptance length at k=3 with its 95% interval, the per-position rates, and
    the teacher-forced figure beside it.
@@ -81,7 +81,7 @@ def prepare_sets(env: dict, sizes, eval_prompts: int, laps: dict) -> tuple[dict,
     return evaluation, data
 
 
-def run(sizes=(16, 64, 128), steps: int = 60, eval_prompts: int = 16, max_new_tokens: int = 48,
+def run(sizes=(64, 256, 768), steps: int = 300, eval_prompts: int = 16, max_new_tokens: int = 48,
         work: str = "work/scaling", parent: str | None = None) -> dict:
     env = bench_env(work)
     laps: dict[str, float] = {}
