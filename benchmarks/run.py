@@ -37,8 +37,8 @@ def shape(default: str, which: str) -> tuple[str, dict]:
     return "--shape", dict(default=default, choices=SHAPES, help=f"{which} (default: %(default)s)")
 
 
-def steps(what: str) -> tuple[str, dict]:
-    return "--steps", dict(type=int, default=60, metavar="N", help=f"{what} (default: %(default)s)")
+def steps(what: str, default: int = 60) -> tuple[str, dict]:
+    return "--steps", dict(type=int, default=default, metavar="N", help=f"{what} (default: %(default)s)")
 
 
 PARENT = "--parent", dict(default=None, metavar="DIR",
@@ -81,8 +81,7 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
         ("--sizes", dict(type=_ints, default="64,256,768", metavar="N,N,...",
                          help="nested subsets of GSM8K train conversations, at most 800: the last 200 prompts "
                               "are the parent's (default: %(default)s)")),
-        ("--steps", dict(type=int, default=300, metavar="N",
-                         help="finetune steps for every size (same compute) (default: %(default)s)")),
+        steps("finetune steps for every size (same compute)", default=300),
         PARENT,
         ("--replot", dict(action="store_true",
                           help="draw the plot again from the results only (after a new full real-tier run)"))]),

