@@ -79,9 +79,16 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
                            help="prompts per variant (default: %(default)s)"))]),
     "scaling": ("served acceptance against data, same compute", [
         ("--sizes", dict(type=_ints, default="64,256,768", metavar="N,N,...",
-                         help="nested subsets of GSM8K train conversations, at most 800: the last 200 prompts "
-                              "are the parent's (default: %(default)s)")),
+                         help="nested subsets of the team's GSM8K train prompts, at most 1800 (the parent's 200 "
+                              "never among them) (default: %(default)s)")),
         steps("finetune steps for every size (same compute)", default=300),
+        ("--val-every", dict(type=int, default=None, metavar="N",
+                             help="validate every child every N steps on the last 64 GSM8K test prompts and keep "
+                                  "its walked curve: the steps axis (-> scaling-smollm2-curves.json)")),
+        ("--eval-prompts", dict(type=int, default=16, metavar="N",
+                                help="GSM8K test prompts served by vLLM per point (default: %(default)s)")),
+        ("--max-new-tokens", dict(type=int, default=48, metavar="N",
+                                  help="tokens generated per evaluation prompt (default: %(default)s)")),
         PARENT,
         ("--replot", dict(action="store_true",
                           help="draw the plot again from the results only (after a new full real-tier run)"))]),
