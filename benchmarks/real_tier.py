@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 from pathlib import Path
 
 LAP = re.compile(r"^== (.+) took (\d+) s$")
@@ -51,6 +52,22 @@ def _prepare(run) -> dict:
             "run_s": round(secs, 1)}
 
 
+def train_rate(client, run) -> dict:
+    """A finetune's training speed, two ways: the median (and quartiles) of its logged windows
+    (``train/tokens_per_s``, one per log interval: the steady rate; a window that held a validation or a
+    checkpoint reads low, so one window alone, the last, is no figure), and the whole run's, every step's tokens
+    over the run's wall time (start-up, validation and checkpoints included)."""
+    windows = [x.value for x in client.get_metric_history(run.info.run_id, "train/tokens_per_s")]
+    p = run.data.params
+    tokens = int(p.get("train.steps", 0)) * int(p.get("train.tokens_per_batch", 0)) * int(p.get("world_size") or 1)
+    secs = (run.info.end_time - run.info.start_time) / 1000
+    quartiles = statistics.quantiles(windows, n=4) if len(windows) > 1 else windows * 3
+    return {"train_tokens_per_s": round(statistics.median(windows), 1) if windows else None,
+            "train_tokens_per_s_quartiles": [round(quartiles[0], 1), round(quartiles[2], 1)] if windows else None,
+            "train_windows": len(windows),
+            "whole_run_tokens_per_s": round(tokens / secs, 1) if secs > 0 else None}
+
+
 def _finetune(client, run) -> dict:
     m, p = run.data.metrics, run.data.params
     hist = {k: [(x.step, round(x.value, 4)) for x in client.get_metric_history(run.info.run_id, k)]
@@ -61,7 +78,7 @@ def _finetune(client, run) -> dict:
             "init": p.get("init"), "vocab": p.get("vocab.policy"), "draft_vocab": p.get("vocab.draft_size"),
             "steps": int(p.get("train.steps", 0)), "tokens_per_batch": int(p.get("train.tokens_per_batch", 0)),
             "ranks": p.get("world_size"), "lr": p.get("optimizer.lr"), "precision": p.get("train.precision"),
-            "train_tokens_per_s": round(m.get("train/tokens_per_s", 0.0), 1),
+            **train_rate(client, run),
             "parent_val_acceptance_length": m.get("parent.val/acceptance_length"),
             "val_history": hist, "run_s": round((run.info.end_time - run.info.start_time) / 1000, 1)}
 

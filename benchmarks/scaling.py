@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.real_tier import train_rate
+
 RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN = "configs/demo/gsm8k_train_prompts.jsonl"
 MORE = "configs/demo/gsm8k_train_prompts_more.jsonl"
@@ -162,7 +164,7 @@ def run(sizes=(64, 256, 768), steps: int = 300, eval_prompts: int = 16, max_new_
                  "finetune_run": ft["run_id"],
                  **_figures(result, env["MLFLOW_TRACKING_URI"])}
         if val_every:
-            point.update(_curves(env["MLFLOW_TRACKING_URI"], ft["run_id"]))
+            point.update(_training(env["MLFLOW_TRACKING_URI"], ft["run_id"]))
         out["points"] = sorted([*out["points"], point], key=lambda q: q["conversations"])
         partial.write_text(json.dumps(out, indent=2) + "\n")
         print(f"  {n:>4} conversations: {point['measured']:.3f} {point['interval']}", flush=True)
@@ -171,14 +173,15 @@ def run(sizes=(64, 256, 768), steps: int = 300, eval_prompts: int = 16, max_new_
     return out
 
 
-def _curves(store: str, run_id: str) -> dict:
-    """A child's validation curves from its MLflow run (``{metric: [[step, value], ...]}``) and the step of
-    the checkpoint it handed on (the best by validation)."""
+def _training(store: str, run_id: str) -> dict:
+    """A child's training from its MLflow run: its validation curves (``{metric: [[step, value], ...]}``), the
+    step of the checkpoint it handed on (the best by validation) and its tokens/s (:func:`train_rate`)."""
     from mlflow import MlflowClient
 
     client = MlflowClient(store)
-    best = client.get_run(run_id).data.tags.get("draftline.checkpoint.best_step")
-    return {"selected_step": int(best) if best else None,
+    run = client.get_run(run_id)
+    best = run.data.tags.get("draftline.checkpoint.best_step")
+    return {"selected_step": int(best) if best else None, **train_rate(client, run),
             "curves": {key: [[m.step, round(m.value, 4)] for m in sorted(client.get_metric_history(run_id, key),
                                                                        key=lambda m: m.step)]
                        for key in ("val/walk_acceptance_length", "val/acceptance_length")}}
