@@ -55,8 +55,9 @@ def _prepare(run) -> dict:
 def train_rate(client, run) -> dict:
     """A finetune's training speed, two ways: the median (and quartiles) of its logged windows
     (``train/tokens_per_s``, one per log interval: the steady rate; a window that held a validation or a
-    checkpoint reads low, so one window alone, the last, is no figure), and the whole run's, every step's tokens
-    over the run's wall time (start-up, validation and checkpoints included)."""
+    checkpoint reads low, so one window alone, the last, is no figure; a window counts the tokens its packs
+    held), and the whole run's: the budget it was asked for (steps x tokens per batch x ranks, a pack may hold
+    fewer) over the run's wall time, start-up, validation and checkpoints included."""
     windows = [x.value for x in client.get_metric_history(run.info.run_id, "train/tokens_per_s")]
     p = run.data.params
     tokens = int(p.get("train.steps", 0)) * int(p.get("train.tokens_per_batch", 0)) * int(p.get("world_size") or 1)
@@ -65,7 +66,7 @@ def train_rate(client, run) -> dict:
     return {"train_tokens_per_s": round(statistics.median(windows), 1) if windows else None,
             "train_tokens_per_s_quartiles": [round(quartiles[0], 1), round(quartiles[2], 1)] if windows else None,
             "train_windows": len(windows),
-            "whole_run_tokens_per_s": round(tokens / secs, 1) if secs > 0 else None}
+            "whole_run_budget_tokens_per_s": round(tokens / secs, 1) if secs > 0 else None}
 
 
 def _finetune(client, run) -> dict:
