@@ -1,10 +1,11 @@
-"""Drafter configs for benchmarks: the tiny one the tests use, and the real Kimi-K2 EAGLE-3 shape."""
+"""Drafter configs for benchmarks: the tiny ones the tests use, and the real Kimi EAGLE-3 shapes (AQ-MedAI's Llama
+layer for Kimi-K2, lightseek's MLA layer for Kimi-K2.5)."""
 
 from __future__ import annotations
 
 import torch
 
-from draftline.drafter.shape import KIMI_K2
+from draftline.drafter.shape import KIMI_K2, KIMI_K25_MLA
 
 SHAPES = {
     # the tiny one the tests use: hidden, intermediate, heads, kv heads, head_dim, target and draft vocab
@@ -17,16 +18,34 @@ SHAPES = {
     # AQ-MedAI/Kimi-K2-Instruct-eagle3's config.json: head_dim 128 (not hidden / heads = 112)
     "real": KIMI_K2,
 }
+# MLA layers (drafter_config builds them with mla_drafter_config): DeepSeek's head dims, as vLLM's CPU MLA serves
+MLA_SHAPES = {
+    # the tiny one the tests use, beside "tiny": hidden 128, 4 heads, no query LoRA
+    "tiny-mla": {**KIMI_K25_MLA, **dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512,
+                                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=1024,
+                                        draft_vocab_size=256, rope_parameters={"rope_type": "default",
+                                                                               "rope_theta": 10000.0})},
+    # the Kimi-shaped miniature's MLA drafter (draftline make-tiny --family kimi: parent-mla)
+    "tiny-kimi-mla": {**KIMI_K25_MLA, **dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                             num_key_value_heads=4, q_lora_rank=128, vocab_size=527,
+                                             draft_vocab_size=256)},
+    # lightseekorg/kimi-k2.5-eagle3-mla's config.json
+    "real-mla": KIMI_K25_MLA,
+}
+SHAPES.update(MLA_SHAPES)
 AUX = KIMI_K2["aux_layer_ids"]
 
 
 def drafter_config(shape: str, attn: str = "sdpa"):
-    """The speculators config of the shape: one Llama layer, as ``draftline plan`` builds it; ``attn`` is the
+    """The speculators config of the shape: one Llama (or, for :data:`MLA_SHAPES`, MLA) layer, as ``draftline
+    plan`` builds it; ``attn`` is the
     draft attention (``sdpa``, ``eager``, or ``simple_flex_attention``, speculators' default, which needs a GPU)."""
-    from draftline.drafter.shape import llama_drafter_config
+    from draftline.drafter.shape import llama_drafter_config, mla_drafter_config
 
     s = SHAPES[shape]
-    config = llama_drafter_config(s, draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=AUX)
+    build = mla_drafter_config if shape in MLA_SHAPES else llama_drafter_config
+    config = build(s, draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=s.get("aux_layer_ids", AUX))
     config.transformer_layer_config._attn_implementation = attn  # noqa: SLF001
     return config
 

@@ -113,6 +113,11 @@ class FinetuneConfig(_Strict):
                                             "| models:/NAME@alias.")
     vocab: Literal["parent", "rebuild"] = Field("parent", description="Draft vocabulary: keep the parent's "
                                                 "d2t/t2d, or rebuild them from the data and permute lm_head rows.")
+    drafter_layer: Literal["auto", "llama", "mla"] = Field(
+        "auto", description="The drafter's decoder layer: llama (a Llama/Qwen3 verifier's own layer, else a Llama "
+                            "layer), mla (DeepSeek-V3's MLA with a dense MLP, vLLM's Eagle3DeepseekV2ForCausalLM; "
+                            "an MLA verifier only), or auto: the parent's, and for init=random MLA for an MLA "
+                            "verifier (Kimi, DeepSeek-V3), Llama otherwise.")
     draft_vocab_size: int | None = Field(None, ge=2, description="Draft vocabulary size when it is built from "
                                          "data (init=random or vocab=rebuild); default: the parent's, or "
                                          "min(32000, verifier vocabulary).")

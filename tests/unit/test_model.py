@@ -48,8 +48,8 @@ def test_a_deepseek_verifier_gets_the_aq_medai_parents_llama_layer(deepseek_veri
     assert saved["transformer_layer_config"]["model_type"] == "llama"
 
 
-def test_without_a_parent_the_layer_is_derived_from_the_verifiers_sizes(deepseek_verifier):
-    layer = layer_config(deepseek_verifier)
+def test_without_a_parent_a_llama_layer_is_derived_from_the_verifiers_sizes(deepseek_verifier):
+    layer = layer_config(deepseek_verifier, None, "llama")
     assert layer["model_type"] == "llama"
     assert (layer["hidden_size"], layer["num_attention_heads"], layer["head_dim"]) == (128, 4, 32)  # v_head_dim
     assert layer["intermediate_size"] == 256 and layer["vocab_size"] == 1024

@@ -146,6 +146,26 @@ def read_tensors(files: CheckpointFiles, keys: set[str]) -> dict[str, torch.Tens
     return {k: get() for k, get, _, _ in _iter_tensors(files) if k in keys}
 
 
+def full_vocabulary(header: dict[str, tuple[tuple[int, ...], str]], verifier_vocab: int) -> bool:
+    """Whether a drafter's draft vocabulary is the verifier's whole vocabulary with no ``d2t``/``t2d`` shipped
+    (lightseekorg/kimi-k2.5-eagle3-mla: vLLM then maps draft row *i* to token *i*)."""
+    rows = header.get("lm_head.weight", ((0,), ""))[0][0]
+    return "d2t" not in header and "t2d" not in header and rows == verifier_vocab
+
+
+def draft_vocab(files: CheckpointFiles, verifier_vocab: int) -> dict[str, torch.Tensor]:
+    """A drafter checkpoint's ``d2t``/``t2d``; for a full-vocabulary drafter that ships neither
+    (:func:`full_vocabulary`), the identity map it means. Raises :class:`CheckpointError` for neither."""
+    vocab = read_tensors(files, {"d2t", "t2d"})
+    if not vocab and full_vocabulary(read_header(files), verifier_vocab):
+        return {"d2t": torch.zeros(verifier_vocab, dtype=torch.long),
+                "t2d": torch.ones(verifier_vocab, dtype=torch.bool)}
+    if set(vocab) != {"d2t", "t2d"}:
+        raise CheckpointError(f"{files.root} has no d2t/t2d and its lm_head does not cover the verifier's "
+                              f"{verifier_vocab} tokens: not an EAGLE-3 drafter with a draft vocabulary")
+    return vocab
+
+
 def _hint(key: str) -> str:
     if key.startswith(("fc.", "layers.", "norm.")):
         return " — parent trained for another verifier?"
@@ -186,7 +206,7 @@ def match_keys(header: dict[str, tuple[tuple[int, ...], str]], shapes: dict[str,
             continue
         mapped[key] = target
     required = {k for k in shapes if k not in VERIFIER_OWNED}
-    if rebuild:
+    if rebuild or full_vocabulary(header, shapes.get("t2d", (0,))[0]):  # the built vocabulary stays
         required -= {"d2t", "t2d"}
     for missing in sorted(required - set(mapped.values())):
         if missing not in {to_model_key(k, layout) for k in header}:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from draftline.drafter.checkpoints import find_checkpoint, load_into_model, read_tensors
+from draftline.drafter.checkpoints import draft_vocab, find_checkpoint, load_into_model
 from draftline.drafter.model import build_draft_model
 from draftline.drafter.shape import aux_layer_ids as aux_of
 from draftline.drafter.shape import default_aux_layers, layer_config, require_aux_layers
-from draftline.errors import CheckpointError
+from draftline.serving import hf_model
 
 
 def load_drafter(verifier_dir: str | Path, drafter_dir: str | Path, *, aux_layer_ids: list[int] | None = None,
@@ -28,9 +28,7 @@ def load_drafter(verifier_dir: str | Path, drafter_dir: str | Path, *, aux_layer
     drafter_dir = Path(drafter_dir)
     name = name or str(drafter_dir)
     files = find_checkpoint(drafter_dir, allow_pickle=allow_pickle)
-    vocab = read_tensors(files, {"d2t", "t2d"})
-    if set(vocab) != {"d2t", "t2d"}:
-        raise CheckpointError(f"drafter {name} has no d2t/t2d: not an EAGLE-3 drafter with a draft vocabulary")
+    vocab = draft_vocab(files, int(hf_model.load_text_config(str(verifier_dir)).vocab_size))
     config = files.config or {}
     own = aux_of(config)
     if aux_layer_ids is not None:

@@ -11,7 +11,10 @@ from tqdm.auto import trange
 from transformers import AutoConfig
 
 from draftline.console import bar_kwargs
-from draftline.drafter import attention  # noqa: F401  (registers the blockwise draft attention with transformers)
+from draftline.drafter import (
+    attention,  # noqa: F401  (registers the blockwise draft attention with transformers)
+    mla,  # noqa: F401  (registers the MLA decoder layer with speculators)
+)
 from draftline.drafter.batches import batch_plan, batches
 from draftline.drafter.fast_ops import bf16_argmax_by_max
 from draftline.drafter.loss import kl_div

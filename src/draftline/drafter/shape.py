@@ -1,5 +1,6 @@
-"""The one place that knows an EAGLE-3 drafter's shape: its decoder layer, its aux layers, the two checkpoint
-layouts' key prefixes, the Kimi-K2 reference shape, and the configs speculators and SpecForge describe it with.
+"""The one place that knows an EAGLE-3 drafter's shape: its decoder layer (a Llama-family layer or DeepSeek-V3's
+MLA, :mod:`draftline.drafter.mla`) and which one a run trains, its aux layers, the two checkpoint layouts' key
+prefixes, the Kimi reference shapes, and the configs speculators, SpecForge and vLLM describe it with.
 
 Model building (``drafter/model.py``), the memory plan, ``inspect``, finetune's parent checks and export's
 SpecForge layout all read the shape from here; nothing here imports torch at module level.
@@ -17,10 +18,15 @@ from speculators.models.eagle3 import Eagle3SpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig
 from transformers import AutoConfig, LlamaConfig
 
-from draftline.errors import ConfigError, DataError
+from draftline.drafter import mla
+from draftline.errors import ConfigError, DataError, ParentMismatch
 from draftline.serving import hf_model
 
-SUPPORTED_LAYERS = ("llama", "qwen3")  # the decoder layers speculators' Eagle3DraftModel can build
+SUPPORTED_LAYERS = ("llama", "qwen3")  # the verifier layers speculators' Eagle3DraftModel builds as they are
+# ``--drafter-layer``: ``llama`` is the Llama family (a Llama/Qwen3 verifier's own layer, else a Llama layer from
+# the verifier's sizes), ``mla`` DeepSeek-V3's MLA layer with a dense MLP; ``auto`` the parent's, and for
+# init=random MLA for a verifier with MLA attention, Llama otherwise.
+LAYER_CHOICES = ("auto", "llama", "mla")
 LLAMA_LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                     "rms_norm_eps", "max_position_embeddings", "hidden_act", "attention_bias", "rope_theta",
                     "rope_scaling", "rope_parameters")
@@ -31,10 +37,21 @@ MIDLAYER_PREFIX, SPECULATORS_PREFIX = "midlayer.", "layers.0."
 MIDLAYER_REMAP = f"{MIDLAYER_PREFIX}->{SPECULATORS_PREFIX}"
 
 # The AQ-MedAI/Kimi-K2-Instruct-eagle3 drafter as its config.json describes it (docs/design.md): one Llama layer.
-KIMI_K2 = {
+KIMI_K2: dict[str, Any] = {
     "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64, "num_key_value_heads": 64,
     "head_dim": 128, "vocab_size": 163840, "draft_vocab_size": 32000, "aux_layer_ids": [2, 30, 58],
     "rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+}
+# lightseekorg/kimi-k2.5-eagle3-mla as its config.json describes it: one MLA layer, the full vocabulary as its draft
+# vocabulary (no reduced one), yarn rope.
+KIMI_K25_MLA: dict[str, Any] = {
+    "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64, "num_key_value_heads": 64,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "vocab_size": 163840, "draft_vocab_size": 163840, "aux_layer_ids": [1, 29, 57], "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144, "hidden_act": "silu",
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
+                        "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0,
+                        "mscale": 1.0, "mscale_all_dim": 1.0},
 }
 
 
@@ -64,16 +81,35 @@ def default_aux_layers(num_hidden_layers: int) -> list[int]:
     return [2, num_hidden_layers // 2, num_hidden_layers - 3]
 
 
-def layer_config(verifier_name_or_path: str, parent_config: dict | None = None) -> dict:
+def layer_kind(layer: dict) -> str:
+    """``mla`` or ``llama`` (the Llama family: Llama and Qwen3 layers) for a layer config dict."""
+    return "mla" if mla.is_mla_config(layer) else "llama"
+
+
+def parent_layer_kind(config: dict | None) -> str | None:
+    """The layer a parent's config describes (``mla``/``llama``), or None when it says none."""
+    if mla.is_mla_config(config):
+        return "mla"
+    return "llama" if _parent_layer_fields(config) else None
+
+
+def layer_config(verifier_name_or_path: str, parent_config: dict | None = None, kind: str = "auto") -> dict:
     """The drafter's one decoder layer, as a config dict (``model_type`` included) that travels with the run.
 
-    A Llama or Qwen3 verifier lends its own layer config, as EAGLE-3 prescribes. Any other verifier (Kimi-K2 is
-    ``deepseek_v3``, whose MLA/MoE layer speculators cannot build) gets a Llama layer: the parent's when the
-    parent says what it is (AQ-MedAI's config.json is a ``LlamaForCausalLMEagle3`` layer), else one derived
-    from the verifier's sizes (heads of ``v_head_dim``, the verifier's dense MLP width).
+    ``kind`` (``--drafter-layer``): ``auto`` takes the parent's layer, and for a random init MLA for a verifier
+    with MLA attention, Llama otherwise. ``llama``: a Llama or Qwen3 verifier lends its own layer, as EAGLE-3
+    prescribes; any other verifier gets a Llama layer, the parent's when the parent says what it is (AQ-MedAI's
+    config.json is a ``LlamaForCausalLMEagle3`` layer), else one derived from the verifier's sizes (heads of
+    ``v_head_dim``, the verifier's dense MLP width). ``mla``: DeepSeek-V3's MLA layer with a dense MLP, the
+    parent's sizes where it has an MLA layer, else the verifier's (its MLA dims, heads and dense MLP width).
+    Raises :class:`ConfigError`/:class:`ParentMismatch` (exit 2) for a combination no run could serve.
     """
     verifier = hf_model.load_text_config(verifier_name_or_path)
-    if verifier.model_type in SUPPORTED_LAYERS:
+    kind = choose_layer(kind, verifier, parent_config, verifier_name_or_path)
+    if kind == "mla":
+        source = _layer_dict(parent_config) if mla.is_mla_config(parent_config) else verifier.to_dict()
+        out = _mla_layer_fields(source, intermediate_size=verifier.intermediate_size)
+    elif verifier.model_type in SUPPORTED_LAYERS:
         out = decoder_layer_fields(verifier)
     else:
         fields = _parent_layer_fields(parent_config) or {
@@ -86,6 +122,61 @@ def layer_config(verifier_name_or_path: str, parent_config: dict | None = None) 
         out = {"model_type": "llama", **{k: v for k, v in fields.items() if k in LLAMA_LAYER_KEYS and v is not None}}
     out.update(num_hidden_layers=1, vocab_size=verifier.vocab_size)
     return out
+
+
+def choose_layer(kind: str, verifier, parent_config: dict | None, where: str) -> str:
+    """The one check of which decoder layer a run trains (see :func:`layer_config`); ``mla`` or ``llama``."""
+    if kind not in LAYER_CHOICES:
+        raise ConfigError(f"--drafter-layer {kind!r}: choose one of {', '.join(LAYER_CHOICES)}")
+    verifier_mla = getattr(verifier, "kv_lora_rank", None) is not None
+    parent = parent_layer_kind(parent_config)
+    if parent_config and str(parent_config.get("model_type")) == mla.MLA_MODEL_TYPE and \
+            parent_config.get("kv_lora_rank") is not None:
+        raise ParentMismatch(f"the parent's config.json says model_type {mla.MLA_MODEL_TYPE!r}, which vLLM rewrites "
+                             "into a DeepSeek MTP model and refuses as an EAGLE-3 drafter: set \"model_type\": "
+                             f"\"{mla.SERVED_MODEL_TYPE}\" in its config.json (vLLM reads that as DeepSeek-V3)")
+    if kind == "auto":
+        kind = parent or ("mla" if verifier_mla else "llama")
+    if kind == "mla" and not verifier_mla:
+        raise ConfigError(f"--drafter-layer mla: the verifier {where} ({verifier.model_type}) has no MLA attention "
+                          "(no kv_lora_rank), and vLLM serves an MLA drafter only beside an MLA verifier: pass "
+                          "--drafter-layer llama (or auto)")
+    if parent and parent != kind:
+        raise ParentMismatch(f"--drafter-layer {kind}: the parent is a {parent.upper() if parent == 'mla' else 'Llama'}"
+                             f"-layer drafter, whose weights do not fit a{'n MLA' if kind == 'mla' else ' Llama'} "
+                             f"layer: pass --drafter-layer {parent} (or auto), or choose a parent with "
+                             f"a{'n MLA' if kind == 'mla' else ' Llama'} layer, or init=random")
+    if kind == "mla" and parent == "mla":
+        ours, theirs = mla.mla_dims(verifier), mla.mla_dims(_layer_dict(parent_config))
+        wrong = [f"{k} {theirs[k]} (verifier {ours[k]})" for k in mla.DIMS if theirs[k] != ours[k]]
+        if wrong:
+            raise ParentMismatch(f"the MLA parent's {', '.join(wrong)} differ from the verifier {where}'s: vLLM "
+                                 "serves the drafter's MLA with the verifier's MLA kernels and cache, so they must "
+                                 "match; choose a parent made for this verifier, or init=random")
+    return kind
+
+
+def _layer_dict(config: dict | None) -> dict:
+    config = config or {}
+    tl = config.get("transformer_layer_config")
+    return tl if isinstance(tl, dict) else config
+
+
+def _mla_layer_fields(source: dict, *, intermediate_size: int) -> dict:
+    """An MLA layer's fields from ``source`` (a verifier's config, a parent's flat lightseek/vLLM config or layer
+    config); ``intermediate_size`` where it names no dense MLP width. Always ``num_key_value_heads`` = heads (MLA
+    expands the latent into every head) and a dense MLP (``first_k_dense_replace`` 1)."""
+    fields = {k: source.get(k) for k in mla.MLA_FIELDS if source.get(k) is not None}
+    if "rope_parameters" not in fields and "rope_scaling" in fields:  # flat: rope_theta + rope_scaling
+        fields["rope_parameters"] = {**(fields["rope_scaling"] or {}), "rope_theta": fields.get("rope_theta", 10000.0)}
+    fields.pop("rope_scaling", None)
+    if "rope_parameters" in fields:
+        fields.pop("rope_theta", None)
+    fields["num_key_value_heads"] = fields["num_attention_heads"]
+    fields.setdefault("intermediate_size", intermediate_size)
+    layer = mla.layer_config_object(fields)  # normalised as transformers reads it (rope_parameters)
+    out = {k: v for k, v in layer.to_dict().items() if k in mla.MLA_FIELDS and v is not None}
+    return {"model_type": mla.MLA_MODEL_TYPE, **out, "first_k_dense_replace": 1}
 
 
 # What a verifier's config.json carries that is not its decoder layer's: identity, the head and, above all,
@@ -140,7 +231,26 @@ def llama_drafter_config(fields: dict[str, Any], *, draft_vocab_size: int, aux_l
                              norm_before_residual=norm_before_residual)
 
 
-def default_config():
+def mla_drafter_config(fields: dict[str, Any], *, draft_vocab_size: int, aux_layer_ids: list[int] | None,
+                       norm_before_residual: bool = False):
+    """One MLA layer from flat config fields (vLLM's ``Eagle3DeepseekV2ForCausalLM`` config.json, or
+    :data:`KIMI_K25_MLA`)."""
+    # a flat config without a dense MLP width gets 3 x hidden, speculators' own rule for MoE verifiers
+    layer = _mla_layer_fields(fields, intermediate_size=3 * int(fields["hidden_size"]))
+    layer_cfg = mla.layer_config_object({**layer, "vocab_size": fields.get("vocab_size")})
+    return speculator_config(layer_cfg, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
+                             norm_before_residual=norm_before_residual)
+
+
+def default_config(layer: str = "llama"):
+    """The real Kimi drafter's shape: AQ-MedAI's Kimi-K2 Llama layer, or (``mla``) lightseek's Kimi-K2.5 MLA one."""
+    if layer == "mla":
+        return mla_drafter_config(KIMI_K25_MLA, draft_vocab_size=KIMI_K25_MLA["draft_vocab_size"],
+                                  aux_layer_ids=KIMI_K25_MLA["aux_layer_ids"])
+    return _default_llama()
+
+
+def _default_llama():
     """The real Kimi-K2 EAGLE-3 drafter's shape."""
     return llama_drafter_config(KIMI_K2, draft_vocab_size=KIMI_K2["draft_vocab_size"],
                                 aux_layer_ids=KIMI_K2["aux_layer_ids"])
@@ -176,6 +286,10 @@ def load_config(source: str | Path | dict[str, Any]):
                               "covers EAGLE-3 drafters only")
 
         return SpeculatorModelConfig.from_dict(raw)
+    if mla.is_mla_config(raw) and raw.get("hidden_size"):  # vLLM's Eagle3DeepseekV2ForCausalLM (lightseek)
+        return mla_drafter_config(raw, draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
+                                  aux_layer_ids=aux_layer_ids(raw),
+                                  norm_before_residual=bool(raw.get("norm_before_residual", False)))
     if raw.get("draft_vocab_size") and raw.get("hidden_size"):  # SpecForge / AQ-MedAI
         return llama_drafter_config(raw, draft_vocab_size=int(raw["draft_vocab_size"]),
                                     aux_layer_ids=aux_layer_ids(raw),
@@ -189,6 +303,33 @@ def rope_theta(layer) -> float:
     params = getattr(layer, "rope_parameters", None) or {}
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     return float(theta if theta is not None else getattr(layer, "rope_theta", 10000.0))
+
+
+def served_mla_config(layer, *, draft_vocab_size: int, aux_layer_ids: list[int],
+                      norm_before_residual: bool = False) -> dict:
+    """The ``config.json`` vLLM loads as ``Eagle3DeepseekV2ForCausalLM`` (lightseekorg/kimi-k2.5-eagle3-mla's form),
+    every field from the drafter's own MLA layer config ``layer``: ``model_type`` ``kimi_k2`` (vLLM rewrites
+    ``deepseek_v3`` into an MTP model), the aux layers under ``eagle_config``, no quantization."""
+    rope = dict(getattr(layer, "rope_parameters", None) or {})
+    out: dict[str, Any] = {
+        "architectures": [mla.VLLM_ARCHITECTURE],
+        "model_type": mla.SERVED_MODEL_TYPE,
+        **{k: getattr(layer, k) for k in mla.MLA_FIELDS if k not in ("rope_parameters", "rope_scaling", "rope_theta")
+           and getattr(layer, k, None) is not None},
+        "num_hidden_layers": 1,
+        "first_k_dense_replace": 1,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": layer.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "target_hidden_size": layer.hidden_size,
+        "norm_before_residual": norm_before_residual,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
+    }
+    if rope.get("rope_type") not in (None, "default"):
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return out
 
 
 def specforge_config(layer, *, draft_vocab_size: int, aux_layer_ids: list[int]) -> dict:

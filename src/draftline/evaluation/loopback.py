@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from draftline.console import say
+from draftline.drafter.served import save_served
 from draftline.evaluation.chain import ChainResult
 from draftline.evaluation.vllm_backend import differences, generate_all, lossless_against, measure_vllm
 from draftline.serving.engine import ServeSpec, VllmServer
@@ -27,11 +28,8 @@ SELF_NOISE_PROMPTS = 64  # bf16: prompts decoded twice by the plain server to me
 
 
 def save_for_vllm(drafter, verifier_dir: str | Path, out: Path) -> Path:
-    """``drafter`` (an ``Eagle3DraftModel``) as a speculators-format directory vLLM loads."""
-    drafter.config.target_hidden_size = drafter.hidden_size
-    drafter.config.speculators_config.verifier.name_or_path = str(verifier_dir)
-    drafter.save_pretrained(str(out), safe_serialization=True)
-    return out
+    """``drafter`` (an ``Eagle3DraftModel``) as the directory vLLM loads for its layer."""
+    return save_served(drafter, out, str(verifier_dir))
 
 
 def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k: int, max_new_tokens: int,

@@ -28,6 +28,7 @@ from draftline.console import say
 from draftline.data.refs import dataset_name, resolve_data
 from draftline.data.regenerate import served_models
 from draftline.data.shards import open_prepared
+from draftline.drafter.served import is_mla_drafter
 from draftline.errors import DataError, UsageError
 from draftline.evaluation.chain import measure_chain, recommend_num_speculative_tokens
 from draftline.evaluation.loopback import measure_loopback
@@ -75,16 +76,17 @@ def _predicted(cfg: EvaluateConfig, drafter, records, manifest: dict, measured: 
     return {evidence.PREDICTED: predicted, "eval/predicted/difference": measured - predicted}
 
 
-def backend_of(cfg: EvaluateConfig, verifier_dir: str) -> str:
+def backend_of(cfg: EvaluateConfig, verifier_dir: str, *, mla_drafter: bool = False) -> str:
     """Where the measured figure comes from: ``vllm-endpoint`` (a server the user runs), ``vllm`` (a loopback
-    vLLM this command starts), ``transformers`` (in this process) or ``none``. Checked before the run exists."""
+    vLLM this command starts), ``transformers`` (in this process) or ``none``. Checked before the run exists;
+    ``mla_drafter``: the drafter has an MLA layer (vLLM serves it beside an MLA verifier on every host)."""
     if not cfg.measured:
         return "none"
     if cfg.vllm_endpoint:
         return "vllm-endpoint"
     if cfg.backend == "transformers":
         return "transformers"
-    reason = cannot_draft_beside(verifier_dir)
+    reason = cannot_draft_beside(verifier_dir, mla_drafter=mla_drafter)
     if reason and cfg.backend == "vllm":
         raise UsageError(f"--backend vllm cannot measure here: {reason}; pass --backend transformers (or auto)")
     python = vllm_python(required=cfg.backend == "vllm")
@@ -168,10 +170,10 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     data_name = dataset_name(client, cfg.data)
     verifier_dir = _verifier(cfg, manifest)
     hf_model.trust_as_recorded(verifier_dir, manifest.get("verifier_trust_remote_code"))
-    backend = backend_of(cfg, verifier_dir)
     target = resolve_target(cfg.target, cache=work_dir() / "cache", checkpoint=cfg.checkpoint,
                             experiment_id=tracking.experiment_id())
     drafter = load_drafter(target, verifier_dir, manifest["aux_layer_ids"], ttt_steps=cfg.num_speculative_tokens)
+    backend = backend_of(cfg, verifier_dir, mla_drafter=is_mla_drafter(drafter))
     records = data.records()
 
     tf = measure(drafter, records, ttt_steps=cfg.num_speculative_tokens, tokens_per_batch=cfg.tokens_per_batch,

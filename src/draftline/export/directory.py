@@ -1,5 +1,6 @@
-"""The directory vLLM serves as it is: speculators' ``config.json`` and ``model.safetensors``, ``lineage.json``
-and a model card naming its base model; the verifier named by the id serving hosts load it by."""
+"""The directory vLLM serves as it is (speculators' format for a Llama-family layer, vLLM's
+``Eagle3DeepseekV2ForCausalLM`` one for an MLA layer: :mod:`draftline.drafter.served`), ``lineage.json`` and a
+model card naming its base model; the verifier named by the id serving hosts load it by."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 
 from draftline.config import ExportConfig
+from draftline.drafter.served import save_served, short_form
 from draftline.errors import CheckpointError, DataError
 from draftline.registry.lineage import LINEAGE_FILE
 
@@ -43,8 +45,7 @@ Trained by draftline for the verifier `{lineage.get('verifier.name_or_path')}` o
 `{lineage.get('data.digest')}` (sha256 over its shards); serve it with vLLM, where that verifier loads by its id:
 
 ```
-vllm serve <this dir>   # the verifier comes from speculators_config.verifier.name_or_path
-vllm serve {lineage.get('verifier.name_or_path')} --speculative-config '{{"model": "<this dir>", "method": "eagle3", "num_speculative_tokens": {lineage.get('eval.recommended_num_speculative_tokens', lineage.get('ttt_steps', 3))}}}'
+{serve_lines(lineage)}
 ```
 
 ## Lineage
@@ -61,16 +62,31 @@ vllm serve {lineage.get('verifier.name_or_path')} --speculative-config '{{"model
 """
 
 
+def serve_lines(lineage: dict) -> str:
+    """The serve lines of the model card: the short form where vLLM reads the verifier from the directory."""
+    k = lineage.get("eval.recommended_num_speculative_tokens", lineage.get("ttt_steps", 3))
+    spec = f'''--speculative-config '{{"model": "<this dir>", "method": "eagle3", "num_speculative_tokens": {k}}}'''
+    long = f"vllm serve {lineage.get('verifier.name_or_path')} {spec}"
+    if lineage.get("drafter.layer") == "mla":
+        return (f"{long}   # an MLA drafter (Eagle3DeepseekV2ForCausalLM): vLLM's speculators reader knows no MLA "
+                "layer, so the verifier is named here")
+    return f"vllm serve <this dir>   # the verifier comes from speculators_config.verifier.name_or_path\n{long}"
+
+
 def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float]) -> None:
-    """Write the speculators-format directory (``checksums.json`` comes with the upload)."""
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.target_hidden_size = model.hidden_size
-    model.save_pretrained(str(out), safe_serialization=True)
+    """Write the directory vLLM serves (``checksums.json`` comes with the upload)."""
+    save_served(model, out, lineage["verifier.name_or_path"])
     cfg = json.loads((out / "config.json").read_text())
-    for key in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "target_hidden_size"):
-        if cfg.get(key) is None:
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    for key, value in (("eagle_aux_hidden_state_layer_ids", aux), ("draft_vocab_size", cfg.get("draft_vocab_size")),
+                       ("target_hidden_size", cfg.get("target_hidden_size"))):
+        if value is None:
             raise CheckpointError(f"the exported config.json lacks {key}; vLLM would fall back to defaults")
-    if not (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path"):
+    if short_form(cfg) and not (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path"):
         raise CheckpointError("the exported config.json names no verifier")
+    if "quantization_config" in cfg or "quantization_config" in (cfg.get("transformer_layer_config") or {}):
+        raise CheckpointError("the exported config.json carries a quantization_config: vLLM would load the "
+                              "drafter as quantized")
     (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True) + "\n")
     (out / "README.md").write_text(model_card(lineage, metrics))

@@ -16,8 +16,10 @@ from mlflow import MlflowClient
 
 from draftline import tracking
 from draftline.config import ExportConfig
+from draftline.console import say
 from draftline.drafter.handoff import fetch_weights
 from draftline.drafter.model import LAYER_FILE
+from draftline.drafter.served import is_mla_drafter
 from draftline.errors import DataError, DraftlineError
 from draftline.evaluation.stage import attach, evaluations_for
 from draftline.export.directory import serving_id, write_drafter
@@ -51,7 +53,8 @@ def run(cfg: ExportConfig) -> dict[str, str]:
         evaluated = evaluations_for(client, ft_id, step)
         k = _set_recommended_k(model, lineage, evaluated)
         out = _write_checked(model, lineage, metrics, tmp / "drafter", verifier=local_verifier(params))
-        vllm_check = check_in_vllm(cfg.vllm_check, out, local_verifier(params), k or int(params.get("ttt_steps", 3)))
+        vllm_check = check_in_vllm(cfg.vllm_check, out, local_verifier(params), k or int(params.get("ttt_steps", 3)),
+                                   mla_drafter=is_mla_drafter(model))
         tracking.log_params_once({"export.layout": cfg.layout, "export.registered_model": cfg.registered_model,
                                   "export.checkpoint": cfg.checkpoint, "export.vllm_check": vllm_check,
                                   **{k: v for k, v in lineage.items() if k != "ttt_steps"}})
@@ -129,7 +132,9 @@ def _log_model(client, cfg: ExportConfig, active, model, out: Path, tmp: Path, f
         with in_store(logged.artifact_location):
             manifest = upload_with_checksums(out, logged.model_id)
             export_sha = manifest_digest(manifest)
-        if cfg.layout == "midlayer":
+        if cfg.layout == "midlayer" and is_mla_drafter(model):
+            say("--layout midlayer: an MLA drafter is exported in the midlayer layout already; nothing beside it")
+        elif cfg.layout == "midlayer":
             with in_tmp(tmp / "midlayer"):
                 write_midlayer(model, tmp / "midlayer", params)
             check_reload(model, tmp / "midlayer", local_verifier(params))  # init=<that dir> gives these weights

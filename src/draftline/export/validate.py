@@ -1,5 +1,6 @@
-"""An export checked before it is registered: reloaded through speculators (identical weights, identical
-drafts), and loaded and drafted with by real vLLM beside the verifier."""
+"""An export checked before it is registered: reloaded (through speculators for its format; an MLA drafter
+read back as a parent, by the strict ``midlayer.`` -> ``layers.0.`` load finetune uses) with identical weights,
+layer and drafts, and loaded and drafted with by real vLLM beside the verifier."""
 
 from __future__ import annotations
 
@@ -9,21 +10,42 @@ import torch
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
 from draftline.console import say
+from draftline.drafter.loading import load_drafter
+from draftline.drafter.mla import MLA_FIELDS
 from draftline.drafter.model import pack
+from draftline.drafter.served import is_mla_drafter
 from draftline.errors import CheckpointError
 from draftline.serving.checks import check_serves
 from draftline.serving.engine import EngineError, VerifierRefused, cannot_draft_beside, vllm_python
 from draftline.serving.vllm_support import require_served, unserved
 
 
-def validate(model, out: Path, seed: int = 0, verifier_path: str | None = None) -> None:
-    """Reload ``out`` with speculators and require identical weights and identical outputs on a batch.
-    ``verifier_path``: where the verifier lies on this host (the config names it by its serving id)."""
+def reload(model, out: Path, verifier_path: str | None = None):
+    """``out`` read back the way its form is read: speculators' ``from_pretrained``, or for an MLA drafter the
+    parent load (``init=<out>``); ``verifier_path``: where the verifier lies on this host."""
+    if is_mla_drafter(model):
+        if verifier_path is None:
+            raise CheckpointError("export validation needs the verifier's directory to read an MLA drafter back")
+        reloaded = load_drafter(verifier_path, out, aux_layer_ids=list(model.config.eagle_aux_hidden_state_layer_ids),
+                                dtype=torch.bfloat16)
+        ours, theirs = model.config.transformer_layer_config, reloaded.config.transformer_layer_config
+        wrong = [f"{k} {getattr(theirs, k, None)} (drafter {getattr(ours, k, None)})" for k in MLA_FIELDS
+                 if getattr(theirs, k, None) != getattr(ours, k, None)]
+        if wrong:
+            raise CheckpointError(f"export validation failed: {out / 'config.json'} describes another layer: "
+                                  + ", ".join(wrong))
+        return reloaded
     config = Eagle3SpeculatorConfig.from_pretrained(str(out))
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 (not saved; flex needs a GPU)
     if verifier_path:  # speculators loads the verifier's embeddings and head by this name
         config.speculators_config.verifier.name_or_path = verifier_path
-    reloaded = Eagle3DraftModel.from_pretrained(str(out), config=config).to(torch.bfloat16).eval()
+    return Eagle3DraftModel.from_pretrained(str(out), config=config).to(torch.bfloat16).eval()
+
+
+def validate(model, out: Path, seed: int = 0, verifier_path: str | None = None) -> None:
+    """Reload ``out`` (:func:`reload`) and require identical weights and identical outputs on a batch.
+    ``verifier_path``: where the verifier lies on this host (the config names it by its serving id)."""
+    reloaded = reload(model, out, verifier_path)
     ours, theirs = model.state_dict(), reloaded.state_dict()
     for key in (k for k in ours if k in theirs):
         if not torch.equal(ours[key].cpu(), theirs[key].cpu()):
@@ -43,7 +65,7 @@ def validate(model, out: Path, seed: int = 0, verifier_path: str | None = None) 
         raise CheckpointError(f"export validation failed: the reloaded drafter in {out} drafts other tokens")
 
 
-def check_in_vllm(mode: str, out: Path, verifier_dir: str, k: int) -> str:
+def check_in_vllm(mode: str, out: Path, verifier_dir: str, k: int, *, mla_drafter: bool = False) -> str:
     """Load the export in real vLLM beside the verifier and draft with it (``mode`` auto|on|off); what happened,
     in words, for the ``export.vllm_check`` tag. A refusal by vLLM raises, naming vLLM's own error."""
     if mode == "off":
@@ -55,7 +77,7 @@ def check_in_vllm(mode: str, out: Path, verifier_dir: str, k: int) -> str:
     if mode == "on":
         require_served(verifier_dir, python, fix="export where vLLM serves it, or pass --vllm-check auto (it "
                        "records the check as skipped)")
-    reason = unserved(verifier_dir, python) or cannot_draft_beside(verifier_dir)
+    reason = unserved(verifier_dir, python) or cannot_draft_beside(verifier_dir, mla_drafter=mla_drafter)
     if reason and mode == "on":
         raise CheckpointError(f"--vllm-check on cannot run here: {reason}; export on such a host, or pass "
                               "--vllm-check auto (it records the check as skipped)")

@@ -291,7 +291,8 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
                             expected_digest=mv.tags.get("export.sha256"),
                             manifest=_tagged_manifest(mv.tags.get(CHECKSUMS_TAG)))
     config = json.loads((local / "config.json").read_text())
-    served = config["speculators_config"]["verifier"]["name_or_path"]
+    # speculators' format names its verifier; an MLA drafter's flat config names none: the version's lineage does
+    served = (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or want
     steps = exported_k(config, mv.tags)
     cmd, spec = vllm_command(local.absolute(), verifier or served, steps,
                              trust_remote_code=mv.tags.get("verifier.trust_remote_code") == "True")

@@ -82,15 +82,16 @@ def extra_vllm_args() -> list[str]:
         raise ConfigError(f"{VLLM_ARGS_ENV} is not a valid shell-quoted list of vLLM flags ({e})") from None
 
 
-def cannot_draft_beside(verifier: str | Path) -> str | None:
+def cannot_draft_beside(verifier: str | Path, *, mla_drafter: bool = False) -> str | None:
     """Why vLLM on this host cannot serve ``verifier`` with an EAGLE-3 drafter, or None. vLLM's CPU backend
     serves an MLA verifier through its AMX kernels (Intel AMX) or, without AMX, through a reference kernel that
-    takes KV blocks of 16 only, while the drafter's attention takes multiples of 32: "No common block size"."""
-    if not hf_model.uses_mla(verifier) or torch.cuda.is_available() or _cpu_has_amx():
+    takes KV blocks of 16 only, while a Llama-layer drafter's attention takes multiples of 32: "No common block
+    size". An MLA drafter (``mla_drafter``) uses the same MLA kernel and blocks as the verifier: served anywhere."""
+    if mla_drafter or not hf_model.uses_mla(verifier) or torch.cuda.is_available() or _cpu_has_amx():
         return None
     return ("vLLM on this CPU serves an MLA verifier with its reference kernel (no Intel AMX here), whose KV "
-            "blocks of 16 no EAGLE-3 drafter's attention shares (multiples of 32): a GPU host, or a CPU with "
-            "AMX, serves it with a drafter")
+            "blocks of 16 no Llama-layer drafter's attention shares (multiples of 32): train an MLA drafter "
+            "(--drafter-layer mla), or use a GPU host or a CPU with AMX")
 
 
 def _cpu_has_amx() -> bool:

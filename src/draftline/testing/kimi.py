@@ -1,4 +1,5 @@
-"""A tiny verifier of Kimi-K2's architecture, in the forms Kimi ships, and an AQ-MedAI-layout parent for it.
+"""A tiny verifier of Kimi-K2's architecture, in the forms Kimi ships, and two parents for it (AQ-MedAI's Llama
+layer and lightseek's MLA one).
 
 ``make_tiny_kimi(out_dir)`` writes::
 
@@ -10,6 +11,9 @@
                                  weights are links), for the trap of a drafter that inherits it
     out_dir/parent/              an EAGLE-3 drafter in AQ-MedAI's layout (``midlayer.*``, a Llama layer,
                                  ``d2t``/``t2d``, SpecForge's config.json), trained a little on the verifier
+    out_dir/parent-mla/          an MLA EAGLE-3 drafter in lightseekorg/kimi-k2.5-eagle3-mla's layout (one
+                                 DeepSeek-V3 MLA layer, ``midlayer.*``, vLLM's flat config.json, the whole
+                                 vocabulary as draft vocabulary), trained as much on the verifier
 
 The language model is transformers' ``DeepseekV3ForCausalLM`` with random weights: hidden 256, 8 layers,
 4 heads, MLA with DeepSeek's own head dims (vLLM's CPU MLA backend serves no other, and only in bf16), 8 routed
@@ -116,10 +120,11 @@ def _write_quantized(k2: Path, out: Path) -> None:
 
 def make_tiny_kimi(out_dir: Path, conversations: Path, *, parent_steps: int = 60, seed: int = 0,
                    progress: bool = True) -> dict[str, Path]:
-    """Build the Kimi-shaped verifier in its three forms and its parent under ``out_dir``; returns their paths."""
+    """Build the Kimi-shaped verifier in its three forms and its two parents under ``out_dir``; returns their paths."""
     out_dir = Path(out_dir)
     paths = {"verifier": out_dir / "verifier", "verifier_k25": out_dir / "verifier-k25",
-             "verifier_quantized": out_dir / "verifier-quantized", "parent": out_dir / "parent"}
+             "verifier_quantized": out_dir / "verifier-quantized", "parent": out_dir / "parent",
+             "parent_mla": out_dir / "parent-mla"}
     tokenizer = _kimi_tokenizer(_corpus_texts(conversations), 1024)
     model = build_text_model(tokenizer, seed=seed)
     paths["verifier"].mkdir(parents=True, exist_ok=True)
@@ -133,6 +138,9 @@ def make_tiny_kimi(out_dir: Path, conversations: Path, *, parent_steps: int = 60
     try:
         write_parent(model, scratch, tokenizer, conversations, paths["parent"], draft_vocab_size=DRAFT_VOCAB,
                      parent_steps=parent_steps, seed=seed, progress=progress)
+        write_parent(model, scratch, tokenizer, conversations, paths["parent_mla"], draft_vocab_size=DRAFT_VOCAB,
+                     parent_steps=parent_steps, seed=seed, progress=progress, layer_kind="mla",
+                     served_id=KIMI_VERIFIER_ID)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return paths

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -28,6 +28,7 @@ from draftline.data.conversations import load_conversations
 from draftline.data.tokenize import tokenize_conversations
 from draftline.drafter.checkpoints import to_midlayer_layout
 from draftline.drafter.model import build_draft_model, train_steps_in_process
+from draftline.drafter.served import save_served
 from draftline.drafter.shape import default_aux_layers, layer_config, specforge_config
 from draftline.drafter.vocab import build_vocab
 
@@ -125,10 +126,14 @@ def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, see
 
 
 def write_parent(verifier, verifier_dir: Path, tokenizer, conversations: Path, parent_dir: Path, *,
-                 draft_vocab_size: int, parent_steps: int, seed: int, progress: bool) -> Path:
-    """An AQ-MedAI-layout parent for ``verifier`` (its causal LM, saved in ``verifier_dir``): a drafter trained
-    ``parent_steps`` steps on the verifier's hidden states over the first half of ``conversations``, saved in
-    bf16 with ``midlayer.*`` keys, ``d2t``/``t2d`` and SpecForge's config.json."""
+                 draft_vocab_size: int, parent_steps: int, seed: int, progress: bool, layer_kind: str = "llama",
+                 served_id: str | None = None) -> Path:
+    """A parent for ``verifier`` (its causal LM, saved in ``verifier_dir``): a drafter trained ``parent_steps``
+    steps on the verifier's hidden states over the first half of ``conversations``, saved in bf16 with
+    ``midlayer.*`` keys. ``layer_kind`` ``llama``: AQ-MedAI's layout (a Llama layer, ``d2t``/``t2d``, SpecForge's
+    config.json). ``mla``: lightseekorg/kimi-k2.5-eagle3-mla's (one MLA layer, vLLM's flat
+    ``Eagle3DeepseekV2ForCausalLM`` config.json, the verifier's whole vocabulary as draft vocabulary, so no
+    ``d2t``/``t2d``; ``draft_vocab_size`` is ignored)."""
     # The parent learns from the first half of the conversations; users finetune on whatever they bring.
     samples = tokenize_conversations(load_conversations(conversations).samples, tokenizer, max_length=512)
     samples = samples[: max(1, len(samples) // 2)]
@@ -139,17 +144,27 @@ def write_parent(verifier, verifier_dir: Path, tokenizer, conversations: Path, p
     for s in samples:
         ids = torch.tensor(s.input_ids)[torch.tensor(s.loss_mask, dtype=torch.bool)]
         freqs += torch.bincount(ids, minlength=vocab_size)
-    d2t, t2d = build_vocab(freqs, draft_vocab_size)
+    if layer_kind == "mla":  # the whole vocabulary, row i drafting token i
+        draft_vocab_size = vocab_size
+        d2t, t2d = torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool)
+    else:
+        d2t, t2d = build_vocab(freqs, draft_vocab_size)
 
     torch.manual_seed(seed)
     # fp32 here only because bf16 matmuls are ~10x slower on a CPU; the parent is saved in bf16 like AQ-MedAI's
-    layer = layer_config(str(verifier_dir))
+    layer = layer_config(str(verifier_dir), None, layer_kind)
     model = build_draft_model(str(verifier_dir), d2t=d2t, t2d=t2d, aux_layer_ids=aux,
                               draft_vocab_size=draft_vocab_size, dtype=torch.float32, layer=layer)
     train_steps_in_process(model, batch, steps=parent_steps, lr=3e-3, tokens_per_batch=512, seed=seed,
                            progress=progress)
 
     parent_dir.mkdir(parents=True, exist_ok=True)
+    if layer_kind == "mla":
+        save_served(model.to(torch.bfloat16), parent_dir, served_id or str(verifier_dir))
+        weights = load_file(parent_dir / "model.safetensors")  # lightseek's ships no d2t/t2d: the vocabulary is whole
+        save_file({k: v for k, v in weights.items() if k not in ("d2t", "t2d")}, parent_dir / "model.safetensors",
+                  metadata={"format": "pt"})
+        return parent_dir
     state = to_midlayer_layout({k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v
                                 for k, v in model.state_dict().items()})
     save_file(state, parent_dir / "model.safetensors", metadata={"format": "pt"})

@@ -23,10 +23,10 @@ from draftline.console import say
 from draftline.data.refs import dataset_name, resolve_data
 from draftline.data.shards import PreparedData, open_prepared
 from draftline.drafter import attention, handoff
-from draftline.drafter.checkpoints import CheckpointFiles, detect_layout, find_checkpoint, read_header, read_tensors
+from draftline.drafter.checkpoints import CheckpointFiles, detect_layout, draft_vocab, find_checkpoint, read_header
 from draftline.drafter.model import LAYER_FILE, PAIRING
 from draftline.drafter.parents import Parent, resolve_init
-from draftline.drafter.shape import key_remap, layer_config, verifier_config
+from draftline.drafter.shape import key_remap, layer_config, layer_kind, verifier_config
 from draftline.drafter.vocab import build_vocab, plan_remap
 from draftline.errors import CheckpointError, ConfigError, DataError
 from draftline.registry import lineage
@@ -105,9 +105,7 @@ def optimizer_params(conf: dict) -> dict[str, object]:
 def choose_vocab(cfg: FinetuneConfig, files, data, verifier_vocab: int) -> tuple[dict, dict[str, int]]:
     """``({"d2t", "t2d"}, counts)`` by the vocabulary policy; a rebuilt vocabulary over a parent's also carries
     ``new_rows_from_old`` (the remap planned here, once: the ranks apply it to the parent's ``lm_head``)."""
-    parent_vocab = read_tensors(files, {"d2t", "t2d"}) if files else {}
-    if files and set(parent_vocab) != {"d2t", "t2d"}:
-        raise CheckpointError(f"parent {files.root} has no d2t/t2d: not an EAGLE-3 drafter with a draft vocabulary")
+    parent_vocab = draft_vocab(files, verifier_vocab) if files else {}
     if files:
         d2t, t2d = parent_vocab["d2t"], parent_vocab["t2d"]
         if d2t.dtype != torch.long or t2d.dtype != torch.bool:
@@ -269,7 +267,7 @@ def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, 
         preflight.check_parent_files(parent.name, files, header, manifest)
         remap = key_remap(layout)
     vocab, counts = choose_vocab(cfg, files, data, manifest["vocab_size"])
-    layer = layer_config(manifest["verifier"], files.config if files else None)
+    layer = layer_config(manifest["verifier"], files.config if files else None, cfg.drafter_layer)
     # every check a rank would make (keys, shapes, vocabulary, aux layers), before hashing and launch
     preflight.preflight(verifier=manifest["verifier"], layer=layer, manifest=manifest, vocab=vocab,
                         parent_files=files, header=header, vocab_policy=cfg.vocab, parent_name=parent.name)
@@ -309,7 +307,7 @@ def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
         "train.precision": cfg.precision, "train.precision_choice": inputs.chosen.reason,
         "train.lr_schedule": cfg.lr_schedule,
         "train.ttt_loss_decay": cfg.ttt_loss_decay, "train.hidden_noise": cfg.hidden_noise,
-        "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl,
+        "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl, "drafter.layer": layer_kind(inputs.layer),
         "train.val_fraction": cfg.val_fraction if eval_data is None else 0.0,
         "train.pairing": PAIRING,
         "eval.data.digest": eval_data.manifest["digest"] if eval_data is not None else "none",
