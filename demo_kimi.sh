@@ -2,10 +2,11 @@
 # The mission's verifier family in miniature, on real vLLM (./setup.sh --vllm first): a Kimi-K2-shaped verifier
 # (DeepSeek-V3: MLA + routed/shared experts) whose config, model and tokenizer ship as custom code, served by vLLM in
 # bf16 -> vLLM answers GSM8K prompts and captures the hidden states (prepare --trust-remote-code --capture-backend
-# vllm) -> finetune from the Kimi-shaped AQ-MedAI-layout parent (ZeRO-2, 2 ranks, --vocab rebuild) -> the parent and
-# the child measured on the same held-out set -> export -> promote -> pull. On a CPU without AMX, vLLM cannot serve
-# an MLA verifier beside a drafter: there evaluate measures in process and export skips its vLLM check, saying why.
-# About 6 min on 2 cores. Tracking: $MLFLOW_TRACKING_URI, else the embedded sqlite:///$PWD/mlflow.db.
+# vllm) -> finetune an MLA drafter (one DeepSeek-V3 MLA layer, as lightseekorg/kimi-k2.5-eagle3-mla) from the
+# Kimi-shaped MLA parent (ZeRO-2, 2 ranks, --vocab rebuild) -> the parent and the child measured by vLLM on the same
+# held-out set -> export (checked in vLLM) -> promote -> pull -> the pulled drafter served beside the verifier. vLLM
+# serves an MLA drafter beside an MLA verifier on every CPU here (a Llama-layer one needs Intel AMX or a GPU).
+# About 8 min on 2 cores (seven vLLM starts). Tracking: $MLFLOW_TRACKING_URI, else the embedded sqlite:///$PWD/mlflow.db.
 set -euo pipefail
 cd "$(dirname "$0")"
 source .venv/bin/activate
@@ -18,7 +19,7 @@ said() {  # evaluate's JSON as one line
 t0=$SECONDS; lap() { echo "== $1 took $((SECONDS - t0)) s" >&2; t0=$SECONDS; }
 
 verifier=work/tiny-kimi/verifier
-[ -f work/tiny-kimi/parent/model.safetensors ] || draftline make-tiny work/tiny-kimi --family kimi --parent-steps 60 >/dev/null
+[ -f work/tiny-kimi/parent-mla/model.safetensors ] || draftline make-tiny work/tiny-kimi --family kimi --parent-steps 60 >/dev/null
 lap "make-tiny --family kimi"
 
 # the team's serving vLLM, here on loopback: bf16 (vLLM's CPU MLA backend serves no other), the custom code trusted
@@ -41,8 +42,8 @@ data=$(draftline prepare --conversations configs/demo/gsm8k_train_prompts.jsonl 
          | field data_uri)
 kill $server; trap - EXIT
 lap "prepare (answered and captured by vLLM)"
-draftline evaluate --target tiny-kimi --data "$evalset" --max-new-tokens 24 | said "the parent"
-run=$(draftline finetune --data "$data" --eval-data "$evalset" --init tiny-kimi --vocab rebuild --draft-vocab-size 256 \
+draftline evaluate --target tiny-kimi-mla --data "$evalset" --max-new-tokens 24 | said "the parent"
+run=$(draftline finetune --data "$data" --eval-data "$evalset" --init tiny-kimi-mla --vocab rebuild --draft-vocab-size 256 \
         --gpus 2 --zero-stage 2 --steps 30 --tokens-per-batch 512 --lr 3e-3 --warmup-steps 0 --val-every 15 \
       | field run_id)
 lap "evaluate the parent + finetune"

@@ -171,3 +171,27 @@ def test_the_real_mla_shape_is_lightseeks():
     assert (layer.hidden_size, layer.num_attention_heads, layer.q_lora_rank, layer.kv_lora_rank) == (7168, 64, 1536,
                                                                                                       512)
     assert layer.rope_parameters["rope_type"] == "yarn" and config.draft_vocab_size == 163840
+
+
+def test_the_kimi_k25_mla_catalog_parent_loads_strictly_from_a_hub_cache(deepseek_verifier, tmp_path, monkeypatch):
+    """init=kimi-k25-mla offline, from a Hugging Face cache laid out as the hub lays it
+    (models--lightseekorg--kimi-k2.5-eagle3-mla), read strictly into the drafter finetune would train."""
+    from draftline.drafter.parents import load_catalog, resolve_init
+    from tests.unit.test_parents import hub_snapshot
+
+    model = _mla_drafter(deepseek_verifier, seed=3).to(torch.bfloat16)
+    out = save_served(model, tmp_path / "made", "org/verifier")
+    entry = load_catalog()["kimi-k25-mla"]
+    assert entry.source == "lightseekorg/kimi-k2.5-eagle3-mla" and entry.layout == "midlayer"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DRAFTLINE_PARENTS_DIR", raising=False)
+    snap = hub_snapshot(tmp_path / "hub", entry.source, {f.name: f.read_bytes() for f in out.iterdir()},
+                        ref=entry.revision)
+    parent = resolve_init("kimi-k25-mla")
+    assert parent.path == snap
+    loaded = load_drafter(deepseek_verifier, parent.path, dtype=torch.bfloat16)
+    assert is_mla_drafter(loaded)
+    assert torch.equal(loaded.layers[0].self_attn.kv_a_proj_with_mqa.weight,
+                       model.layers[0].self_attn.kv_a_proj_with_mqa.weight)

@@ -73,19 +73,29 @@ def test_message_offers_a_higher_stage_and_more_gpus(kimi):
     assert "more GPUs" in msg and p["stages"]["1"]["min_gpus"] > 8
 
 
+@pytest.mark.parametrize("layer", ["llama", "mla"])
 @pytest.mark.parametrize("attn", ["sdpa", "blockwise"])
-def test_activation_estimate_matches_what_autograd_saves(attn):
+def test_activation_estimate_matches_what_autograd_saves(attn, layer):
     """The estimate's saved part against the tensors autograd keeps for a scaled-down drafter (CPU), one sample
-    filling the pack (blockwise's most)."""
+    filling the pack (blockwise's most): a Llama layer with grouped K/V heads, and an MLA one (DeepSeek's head
+    dims, a query LoRA)."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
 
     from draftline.drafter.model import loss_config
 
     h, v, dv, t, k = 256, 4096, 1024, 256, 3
-    shape = dict(hidden_size=h, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                 vocab_size=v)
-    cfg = drafter_shape.llama_drafter_config(shape, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
+    if layer == "llama":
+        shape = dict(hidden_size=h, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, vocab_size=v)
+        cfg = drafter_shape.llama_drafter_config(shape, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
+        repeated_kv = 2 * 2 * (2 * 64) * k  # the K/V cache of 2 heads, repeated to 4 before attention
+    else:
+        shape = dict(hidden_size=h, intermediate_size=640, num_attention_heads=4, num_key_value_heads=4,
+                     q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                     vocab_size=v, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cfg = drafter_shape.mla_drafter_config(shape, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
+        repeated_kv = 0  # MLA expands its latent into every head: nothing repeated
     est = plan.activation_bytes(plan.count_params(cfg)["shape"], t, k, "bf16", attn)
     cfg.transformer_layer_config._attn_implementation = attn
     torch.manual_seed(0)
@@ -110,8 +120,20 @@ def test_activation_estimate_matches_what_autograd_saves(attn):
         model(**batch, ttt_steps=k, loss_config=loss_config())
     # alive but not saved for the backward: transient, verifier hidden state, target logits and their fp32
     # log-probabilities and probabilities, the K/V cache (2 heads)
-    alive_not_saved = t * (est["transient"] + 2 * (h + dv) + 8 * dv + 2 * 2 * (2 * 64) * k)
+    alive_not_saved = t * (est["transient"] + 2 * (h + dv) + 8 * dv + repeated_kv)
     assert sum(saved.values()) == pytest.approx(est["bytes"] - alive_not_saved, rel=0.01)
+
+
+def test_the_kimi_k25_mla_drafter_is_planned_at_lightseeks_size():
+    mla = plan.make_plan(layer="mla", gpu_memory_gib=None)
+    assert mla["shape"]["layer"] == "mla" and mla["shape"]["draft_vocab_size"] == V
+    # lightseekorg/kimi-k2.5-eagle3-mla: ~1.8 B parameters in its checkpoint, ~3.0 B with the shared embeddings
+    assert 1.80e9 < mla["checkpoint_params"] < 1.88e9 and 2.98e9 < mla["checkpoint_params_with_embeddings"] < 3.05e9
+    assert mla["checkpoint_params_with_embeddings"] - mla["checkpoint_params"] == V * H
+    reduced = plan.make_plan(layer="mla", draft_vocab_size=DV, gpu_memory_gib=None)
+    assert mla["checkpoint_params"] - reduced["checkpoint_params"] == (V - DV) * H  # the lm_head rows
+    with pytest.raises(Exception, match="draft vocabulary 200000"):
+        plan.make_plan(layer="mla", draft_vocab_size=200000)
 
 
 def test_configs_from_disk_speculators_and_specforge(tmp_path, kimi):

@@ -166,8 +166,13 @@ def inspect(target, allow_pickle, as_json):
 
 @cli.command()
 @click.option("--drafter", default=None, type=click.Path(exists=True),
-              help="Drafter directory or its config.json (speculators or SpecForge layout) "
-                   "[default: the real Kimi-K2 EAGLE-3 drafter's shape].")
+              help="Drafter directory or its config.json (speculators, SpecForge or vLLM's MLA layout) "
+                   "[default: the real Kimi drafter of --drafter-layer].")
+@click.option("--drafter-layer", type=click.Choice(["llama", "mla"]), default="llama", show_default=True,
+              help="Without --drafter: llama plans AQ-MedAI's Kimi-K2 drafter (one Llama layer, draft vocab 32000); "
+                   "mla lightseek's Kimi-K2.5 one (one DeepSeek-V3 MLA layer, the full 163,840-token vocabulary).")
+@click.option("--draft-vocab-size", type=click.IntRange(2), default=None,
+              help="Without --drafter: a draft vocabulary of this many tokens instead of the drafter's own.")
 @click.option("--gpus", type=click.IntRange(1), default=8, show_default=True, help="GPUs per node.")
 @click.option("--nodes", type=click.IntRange(1), default=1, show_default=True, help="Nodes.")
 @click.option("--gpu-memory-gib", type=click.FloatRange(0, min_open=True), default=180.0, show_default=True,
@@ -186,8 +191,8 @@ def inspect(target, allow_pickle, as_json):
 @click.option("--zero-stage", type=click.IntRange(0, 3), default=None,
               help="The stage you will train with: exit 1 when it does not fit.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def plan(drafter, gpus, nodes, gpu_memory_gib, tokens_per_batch, ttt_steps, precision, attn_impl, margin,
-         zero_stage, as_json):
+def plan(drafter, drafter_layer, draft_vocab_size, gpus, nodes, gpu_memory_gib, tokens_per_batch, ttt_steps, precision, attn_impl,
+         margin, zero_stage, as_json):
     """GPU memory per ZeRO stage for finetuning a drafter: exact parameter counts (meta device), DeepSpeed's
     model-state estimators, an activation estimate, and whether each stage fits."""
     from draftline.train import plan as planning
@@ -195,7 +200,8 @@ def plan(drafter, gpus, nodes, gpu_memory_gib, tokens_per_batch, ttt_steps, prec
     with _stdout_to_stderr():
         out = planning.make_plan(drafter, gpus=gpus, nodes=nodes, gpu_memory_gib=gpu_memory_gib,
                                  tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps, precision=precision,
-                                 attn_impl=attn_impl, margin=margin, zero_stage=zero_stage)
+                                 attn_impl=attn_impl, margin=margin, zero_stage=zero_stage, layer=drafter_layer,
+                                 draft_vocab_size=draft_vocab_size)
     click.echo(json.dumps(out, indent=2) if as_json else render_plan(out))
     if zero_stage is not None:
         planning.check(out, zero_stage)
@@ -214,6 +220,8 @@ def render_plan(plan: dict) -> str:
         f"drafter: {plan['drafter']}",
         f"  params {plan['params']:,} = trainable {plan['trainable']:,} + frozen {plan['frozen']:,} "
         f"({', '.join(plan['frozen_names'])})",
+        f"  checkpoint {plan['checkpoint_params']:,} (what vLLM loads; "
+        f"{plan['checkpoint_params_with_embeddings']:,} with embeddings)",
         f"  largest trainable layer {lg['name']} ({lg['params']:,}); largest frozen {lf['name']} ({lf['params']:,})",
         f"setup: {plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s); {mem}",
         f"  {plan['precision']}, tokens_per_batch {plan['tokens_per_batch']}, ttt_steps {plan['ttt_steps']}, "

@@ -242,18 +242,15 @@ def mla_drafter_config(fields: dict[str, Any], *, draft_vocab_size: int, aux_lay
                              norm_before_residual=norm_before_residual)
 
 
-def default_config(layer: str = "llama"):
-    """The real Kimi drafter's shape: AQ-MedAI's Kimi-K2 Llama layer, or (``mla``) lightseek's Kimi-K2.5 MLA one."""
-    if layer == "mla":
-        return mla_drafter_config(KIMI_K25_MLA, draft_vocab_size=KIMI_K25_MLA["draft_vocab_size"],
-                                  aux_layer_ids=KIMI_K25_MLA["aux_layer_ids"])
-    return _default_llama()
-
-
-def _default_llama():
-    """The real Kimi-K2 EAGLE-3 drafter's shape."""
-    return llama_drafter_config(KIMI_K2, draft_vocab_size=KIMI_K2["draft_vocab_size"],
-                                aux_layer_ids=KIMI_K2["aux_layer_ids"])
+def default_config(layer: str = "llama", draft_vocab_size: int | None = None):
+    """The real Kimi drafter's shape: AQ-MedAI's Kimi-K2 Llama layer, or (``mla``) lightseek's Kimi-K2.5 MLA one;
+    ``draft_vocab_size`` replaces its draft vocabulary (32,000 and the full 163,840 tokens)."""
+    shape = KIMI_K25_MLA if layer == "mla" else KIMI_K2
+    vocab = int(draft_vocab_size or shape["draft_vocab_size"])
+    if not 2 <= vocab <= shape["vocab_size"]:
+        raise ConfigError(f"draft vocabulary {vocab}: between 2 and the verifier's {shape['vocab_size']} tokens")
+    build = mla_drafter_config if layer == "mla" else llama_drafter_config
+    return build(shape, draft_vocab_size=vocab, aux_layer_ids=shape["aux_layer_ids"])
 
 
 def verifier_config(verifier: str, *, draft_vocab_size: int, aux_layer_ids: list[int], layer: dict | None = None):

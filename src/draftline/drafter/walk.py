@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 
-def chain_lengths(draft_tokens, batch: dict[str, torch.Tensor], d2t: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+def chain_lengths(draft_tokens, batch: dict[str, torch.Tensor], d2t: torch.Tensor | None, ttt_steps: int) -> torch.Tensor:
     """``[T]``: how many of the drafts made at each packed position the verifier would accept in a row."""
     ids, mask, doc = batch["input_ids"][0], batch["loss_mask"][0].bool(), batch["document_ids"][0]
     total = ids.numel()
@@ -29,14 +29,15 @@ def chain_lengths(draft_tokens, batch: dict[str, torch.Tensor], d2t: torch.Tenso
     accepted = torch.zeros(total, dtype=torch.long, device=ids.device)
     for k, drafts in enumerate(draft_tokens[:ttt_steps]):
         drafted = drafts[0].long()
-        drafted = drafted + d2t.to(drafted.device)[drafted]  # d2t holds offsets: verifier id = draft id + d2t
+        if d2t is not None:  # d2t holds offsets: verifier id = draft id + d2t (None: the whole vocabulary)
+            drafted = drafted + d2t.to(drafted.device)[drafted]
         target = (index + k + 1).clamp(max=total - 1)
         run &= (index + k + 1 < total) & (drafted == ids[target]) & (doc[target] == doc) & mask[target]
         accepted += run.long()
     return accepted
 
 
-def walk_sums(draft_tokens, batch: dict[str, torch.Tensor], d2t: torch.Tensor,
+def walk_sums(draft_tokens, batch: dict[str, torch.Tensor], d2t: torch.Tensor | None,
               ttt_steps: int) -> dict[str, torch.Tensor]:
     """``walk_accepted`` and ``walk_pos_k`` as ``*_sum`` / ``*_total`` pairs (totals: the drafts made) over
     every contiguous reply (run of loss-masked positions) in ``batch``, walked as vLLM does. Each reply is

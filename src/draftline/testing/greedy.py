@@ -90,7 +90,8 @@ def teacher_forced(drafter, recs: list[dict], ttt_steps: int = 3) -> dict[str, f
         accumulate(sums, forward(drafter, batch, ttt_steps, loss_config())[1])
         plain = {k: v for k, v in batch.items() if k not in ("verifier_last_hidden_states", "loss_mask")}
         first = drafter(**plain, ttt_steps=1)[0][0]
-        first = first + drafter.d2t[first]  # verifier ids
+        if drafter.d2t is not None:  # verifier ids (a whole-vocabulary drafter's are already)
+            first = first + drafter.d2t[first]
         start = 0
         for r in recs[i:i + 8]:  # shifted position j pairs hidden j with token j+1 and drafts token j+2
             n = r["input_ids"].numel()

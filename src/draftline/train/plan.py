@@ -43,6 +43,8 @@ GIB = 1 << 30
 DEFAULT_GPU_MEMORY_GIB = 180.0
 DEFAULT_MARGIN = 0.10
 STAGES = (0, 1, 2, 3)
+# parameters vLLM takes from the verifier, not from a drafter's checkpoint
+SERVED_ELSEWHERE = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
 def count_params(config) -> dict[str, Any]:
     """Exact parameter counts of the drafter ``config`` describes, built on the meta device."""
     tl = config.transformer_layer_config
@@ -60,10 +62,14 @@ def count_params(config) -> dict[str, Any]:
 
     (l_name, l_params), (f_name, f_params) = largest(True), largest(False)
     mlp = tl.intermediate_size
+    every = {**trainable, **frozen}
+    served = sum(v for n, v in every.items() if not n.startswith(SERVED_ELSEWHERE))
     return {
         "total": sum(trainable.values()) + sum(frozen.values()),
         "trainable": sum(trainable.values()),
         "frozen": sum(frozen.values()),
+        # what the exported checkpoint holds (vLLM shares the verifier's embeddings): the size drafters are quoted at
+        "checkpoint": served, "checkpoint_with_embeddings": served + every.get("embed_tokens.weight", 0),
         "frozen_names": sorted(n.removesuffix(".weight") for n in frozen),
         "largest_layer": {"name": l_name, "params": l_params},
         "largest_frozen_layer": {"name": f_name, "params": f_params},
@@ -71,10 +77,29 @@ def count_params(config) -> dict[str, Any]:
         "shape": {"hidden_size": model.hidden_size, "intermediate_size": mlp,
                   "num_attention_heads": tl.num_attention_heads,
                   "num_key_value_heads": tl.num_key_value_heads,
-                  "head_dim": getattr(tl, "head_dim", None) or model.hidden_size // tl.num_attention_heads,
+                  "head_dim": _qk_head_dim(tl, model.hidden_size), "latent": _latent_width(tl),
+                  "layer": "mla" if getattr(tl, "kv_lora_rank", None) is not None else "llama",
                   "draft_vocab_size": model.draft_vocab_size, "verifier_vocab_size": tl.vocab_size,
                   "num_aux": model.fc.in_features // model.hidden_size, "layers": tl.num_hidden_layers},
     }
+
+
+def _qk_head_dim(tl, hidden: int) -> int:
+    """The width of one query/key head: MLA's nope + rope parts, else ``head_dim``."""
+    if getattr(tl, "kv_lora_rank", None) is not None:
+        return int(tl.qk_nope_head_dim + tl.qk_rope_head_dim)
+    return int(getattr(tl, "head_dim", None) or hidden // tl.num_attention_heads)
+
+
+def _latent_width(tl) -> int:
+    """Per token, what MLA's low-rank projections keep for the backward beyond a Llama layer's: the query LoRA
+    output and its norm, the compressed KV (and its rope part) and its norm, and ``kv_b_proj``'s per-head keys and
+    values; 0 for a Llama layer."""
+    if getattr(tl, "kv_lora_rank", None) is None:
+        return 0
+    q_lora = 2 * (tl.q_lora_rank or 0)
+    kv = 2 * (tl.kv_lora_rank + tl.qk_rope_head_dim)
+    return int(q_lora + kv + tl.num_attention_heads * (tl.qk_nope_head_dim + tl.v_head_dim))
 
 
 def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precision: str = "bf16",
@@ -86,7 +111,8 @@ def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precisi
 
     * per TTT step: 4 RMSNorms x (4H fp32 copy + bH output), the q/k/v input b*2H, q, the attention output
       and its o_proj copy b*3q, the MLP's gate/up/activation/product b*4I, rotary cos/sin b*2d, the loss's
-      fp32 gradient 4V (the three layer terms per layer);
+      fp32 gradient 4V (the three layer terms per layer); an MLA layer also its low-rank projections' outputs
+      b*latent (:func:`_latent_width`; d is then the query/key head width, nope + rope);
     * keys and values, concatenated over the steps (step j attends to (j+1)T keys): b*2kv * k(k+1)/2, where
       kv is q for ``sdpa``/``eager`` (with a mask, transformers repeats grouped K/V heads before attention);
     * once: the fc input b*num_aux*H, the verifier's last hidden state b*H, the target logits b*V, their fp32
@@ -107,7 +133,7 @@ def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precisi
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
     layers, tri = shape.get("layers", 1), ttt_steps * (ttt_steps + 1) // 2
     norm = 4 * h + b * h
-    per_step = layers * (3 * norm + b * (2 * h + 3 * q + 4 * i)) + norm + b * 2 * d + 4 * v
+    per_step = layers * (3 * norm + b * (2 * h + 3 * q + 4 * i + shape.get("latent", 0))) + norm + b * 2 * d + 4 * v
     repeated = attn_impl != "simple_flex_attention" and kv < q
     kv_cache = layers * b * 2 * (q if repeated else kv) * tri
     if attn_impl == "blockwise":  # each later step's diagonal keys and values, gathered per sample
@@ -120,7 +146,10 @@ def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precisi
         quadratic = layers * ttt_steps * ((4 + b) * heads + 1) * tokens * tokens + \
             layers * (4 + b) * heads * tokens * (tri - ttt_steps)
     else:
-        dense = {"simple_flex_attention": 0, "sdpa": 2, "eager": (4 + b) * heads}
+        # an MLA layer's query/key heads (nope + rope) are wider than its value heads: PyTorch's CPU sdpa then
+        # takes its math path, which keeps the probabilities as eager does (counted: an upper bound on GPUs)
+        unequal = (4 + b) * heads if shape.get("layer") == "mla" else 0
+        dense = {"simple_flex_attention": 0, "sdpa": 2 + unequal, "eager": (4 + b) * heads}
         quadratic = layers * dense.get(attn_impl, 2) * tokens * tokens * tri
     return {"bytes": tokens * per_token + quadratic, "bytes_per_token": per_token, "quadratic": quadratic,
             "attn_impl": attn_impl,
@@ -188,8 +217,11 @@ def _max_tokens(room: int, acts: dict, tokens: int) -> int:
 
 def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: float | None = DEFAULT_GPU_MEMORY_GIB,
               tokens_per_batch: int = 4096, ttt_steps: int = 3, precision: str = "bf16", attn_impl: str = "sdpa",
-              margin: float = DEFAULT_MARGIN, zero_stage: int | None = None, name: str | None = None) -> dict:
-    """The memory plan (JSON-serialisable) for a drafter: ``config`` is ``None`` (the real Kimi-K2 drafter), a
+              margin: float = DEFAULT_MARGIN, zero_stage: int | None = None, name: str | None = None,
+              layer: str = "llama", draft_vocab_size: int | None = None) -> dict:
+    """The memory plan (JSON-serialisable) for a drafter: ``config`` is ``None`` (the real Kimi drafter of
+    ``layer``: AQ-MedAI's Llama-layer Kimi-K2 one, or lightseek's MLA Kimi-K2.5 one, with ``draft_vocab_size``
+    if given), a
     drafter directory or config.json, its contents, or a speculators config. ``gpu_memory_gib=None``: the fit
     is not checked (``fits`` is None). ``zero_stage`` marks the stage that will be used. A stage that does not
     fit says the most ``tokens_per_batch`` and the fewest GPUs (up to 4096) with which it would."""
@@ -203,7 +235,11 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
         raise ConfigError(f"zero_stage must be one of 0-3, got {zero_stage}")
 
     if config is None:
-        config, name = default_config(), name or "Kimi-K2 EAGLE-3 (AQ-MedAI shape)"
+        if layer not in ("llama", "mla"):
+            raise ConfigError(f"drafter layer must be llama or mla, got {layer!r}")
+        config = default_config(layer, draft_vocab_size)
+        name = name or ("Kimi-K2.5 EAGLE-3 MLA (lightseekorg/kimi-k2.5-eagle3-mla shape)" if layer == "mla"
+                        else "Kimi-K2 EAGLE-3 (AQ-MedAI shape)")
     elif isinstance(config, (str, Path, dict)):
         name = name or (str(config) if not isinstance(config, dict) else "drafter config")
         config = load_config(config)
@@ -226,6 +262,8 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
                 + acts["bytes"] <= budget), None)
     return {
         "drafter": name, "params": counts["total"], "trainable": counts["trainable"], "frozen": counts["frozen"],
+        "checkpoint_params": counts["checkpoint"], "checkpoint_params_with_embeddings":
+            counts["checkpoint_with_embeddings"],
         "frozen_names": counts["frozen_names"], "largest_layer": counts["largest_layer"],
         "largest_frozen_layer": counts["largest_frozen_layer"], "shape": counts["shape"],
         "gpus_per_node": gpus, "nodes": nodes, "gpu_memory_gib": gpu_memory_gib, "margin": margin,
