@@ -44,7 +44,7 @@ kill $server; trap - EXIT
 lap "prepare (answered and captured by vLLM)"
 draftline evaluate --target tiny-kimi-mla --data "$evalset" --max-new-tokens 24 | said "the parent"
 run=$(draftline finetune --data "$data" --eval-data "$evalset" --init tiny-kimi-mla --vocab rebuild --draft-vocab-size 256 \
-        --gpus 2 --zero-stage 2 --steps 30 --tokens-per-batch 512 --lr 3e-3 --warmup-steps 0 --val-every 15 \
+        --gpus 2 --zero-stage 2 --steps 100 --tokens-per-batch 512 --lr 3e-3 --warmup-steps 0 --val-every 50 \
       | field run_id)
 lap "evaluate the parent + finetune"
 draftline evaluate --target "runs:/$run" --data "$evalset" --max-new-tokens 24 | said "the child"

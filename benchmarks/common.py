@@ -17,6 +17,9 @@ SHAPES = {
                                   rope_theta=100000.0)},
     # AQ-MedAI/Kimi-K2-Instruct-eagle3's config.json: head_dim 128 (not hidden / heads = 112)
     "real": KIMI_K2,
+    # the Kimi-shaped miniature's Llama-layer drafter (draftline make-tiny --family kimi: parent), heads of v_head_dim
+    "tiny-kimi": {**KIMI_K2, **dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                    num_key_value_heads=4, head_dim=128, vocab_size=527, draft_vocab_size=256)},
 }
 # MLA layers (drafter_config builds them with mla_drafter_config): DeepSeek's head dims, as vLLM's CPU MLA serves
 MLA_SHAPES = {

@@ -56,6 +56,13 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
                         help="draft attention of every variant (default: %(default)s, finetune's choice)")),
         ("--against", dict(default=None, metavar="IMPL",
                            help="also ZeRO-2 with this attention, and zero2's speedup over it (e.g. sdpa)"))]),
+    "drafter-layers": ("a Llama-layer vs an MLA-layer drafter's training step, blockwise and sdpa each", [
+        ("--shape", dict(default="kimi", choices=("kimi", "real"),
+                         help="kimi: the Kimi-shaped miniature; real: Kimi-K2's Llama vs Kimi-K2.5's MLA layer "
+                              "(a GPU job) (default: %(default)s)")),
+        ("--tokens", dict(type=int, default=512, metavar="N", help="tokens per step (default: %(default)s)")),
+        ("--iters", dict(type=int, default=6, metavar="N", help="steps per variant a round (default: %(default)s)")),
+        ("--rounds", dict(type=int, default=5, metavar="N", help="interleaved rounds (default: %(default)s)"))]),
     "parent-load": ("load + remap of an AQ-MedAI-layout parent vs reading its tensors", [
         shape("real", "real (a 2.4 GB checkpoint) or tiny")]),
     "warm-start": ("finetune steps from the parent vs from random init (smollm2: after ./demo_real.sh)", [

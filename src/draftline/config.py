@@ -222,6 +222,12 @@ class EvaluateConfig(_Strict):
                                       "spec-decode counters, instead of in this process.")
     vllm_model: str | None = Field(None, description="Model name the vLLM server serves (default: its first).")
     concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight on the vLLM server.")
+    speed_concurrency: str = Field("1", pattern=r"^(off|\d+(,\d+)*)$", description="Also decode the same prompts "
+                                   "with the verifier alone and report the speed-up the drafter buys (tokens/s, "
+                                   "per-token time, latency) at each of these concurrencies, e.g. 1,8; off to skip. "
+                                   "On vLLM only: loopback, or --vllm-endpoint with --plain-endpoint.")
+    plain_endpoint: str | None = Field(None, description="With --vllm-endpoint: a vLLM server of the same "
+                                       "verifier without a drafter (its OpenAI base URL), for the speed-up.")
     verifier: str | None = Field(None, description="The verifier's directory on this machine (default: where the "
                                  "evaluation set was captured from).")
     confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Confidence level of the interval around the "

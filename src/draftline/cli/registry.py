@@ -1,4 +1,4 @@
-"""The registry's commands: promote, rollback, pull, lineage, list, compare."""
+"""The registry's commands: promote, rollback, pull, lineage, list, compare, observe."""
 
 from __future__ import annotations
 
@@ -167,3 +167,38 @@ def lineage(name, version, as_json):
     click.echo(json.dumps(chain, indent=2) if as_json else render(chain))
 
 
+@cli.command()
+@click.option("--endpoint", "endpoints", multiple=True, required=True,
+              help="A serving vLLM's OpenAI base URL (http://host:8000/v1); repeat it for several servers behind "
+              "one name (their counters are summed). Credentials in the URL or the API key are never logged.")
+@click.option("--drafter", "drafter_dir", type=click.Path(file_okay=False), default=None,
+              help="The pulled directory the servers load: its checksums.json names the registered version.")
+@click.option("--version", "version", default=None,
+              help="Or the version itself: models:/NAME/VERSION (or /STAGE, @alias).")
+@click.option("--model", default=None, help="The served model name [default: the first server's first].")
+@click.option("--window", "window_s", type=click.FloatRange(1), default=60.0, show_default=True,
+              help="Seconds between the two reads of /metrics.")
+@click.option("--every-minutes", type=click.FloatRange(0, min_open=True), default=None,
+              help="Run as a sidecar: one window every N minutes (until stopped, or --windows).")
+@click.option("--windows", type=click.IntRange(1), default=None, help="With --every-minutes: stop after N windows.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def observe(endpoints, drafter_dir, version, model, window_s, every_minutes, windows, as_json):
+    """Record what serving vLLM sees on the version it serves: acceptance length and per-position rates from
+    its spec-decode counters over a window, on the version's LoggedModel (served/*), and say whether it is as
+    the evaluation measured or below its interval (exit 1 when below: an alert)."""
+    from draftline import tracking
+    from draftline.console import say
+    from draftline.registry import observe as observing
+
+    tracking.setup()
+    from mlflow import MlflowClient
+
+    with _stdout_to_stderr():
+        out = observing.run(MlflowClient(), list(endpoints), model=model, drafter_dir=drafter_dir, version=version,
+                            window_s=window_s, every_s=every_minutes * 60 if every_minutes else None,
+                            windows=windows, say=say)
+    click.echo(json.dumps(out, indent=2) if as_json else
+               f"models:/{out['name']}/{out['version']}: served {out['served_acceptance_length']} "
+               f"({'BELOW the evaluation' if out['below'] else 'as evaluated'}); run {out['run_id']}")
+    if out["below"]:
+        raise SystemExit(1)

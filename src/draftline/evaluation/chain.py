@@ -59,6 +59,7 @@ class ChainResult:
     outputs: list[list[int]] = field(default_factory=list, repr=False)  # generated token ids, per prompt
     output_tops: list[list[dict]] = field(default_factory=list, repr=False)  # per token {id: logprob}, top 5
     per_prompt: list[dict] = field(default_factory=list, repr=False)  # evidence per prompt (prompt_row)
+    speeds: list = field(default_factory=list, repr=False)  # speed with and without the drafter (speed.Speed)
 
     @property
     def acceptance_length(self) -> float:

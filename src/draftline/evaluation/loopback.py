@@ -1,5 +1,5 @@
 """Measured acceptance on real vLLM that ``evaluate`` starts itself: the drafter it loaded, written in the
-speculators format, served beside the verifier on a loopback vLLM (in the verifier's dtype,
+form vLLM loads for its layer, served beside the verifier on a loopback vLLM (in the verifier's dtype,
 :func:`draftline.serving.hf_model.vllm_dtype`), its acceptance read from vLLM's spec-decode counters; then a
 plain vLLM (no drafter) decodes the same prompts and the outputs are compared token for token.
 
@@ -10,6 +10,9 @@ difference counts as a near tie, not a mismatch, where each server's token is am
 there (:func:`draftline.evaluation.vllm_backend.lossless_against`). bf16 strays beyond that now and then by
 itself, so the plain server also decodes the prompts one request at a time, and the speculative output may
 differ beyond a near tie on as many prompts as that self-noise bounds (95%), no more.
+
+With both servers up, the same prompts are decoded on each, alternating wave by wave, for the speed the drafter
+buys (:mod:`draftline.evaluation.speed`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from draftline.console import say
 from draftline.drafter.served import save_served
 from draftline.evaluation.chain import ChainResult
+from draftline.evaluation.speed import measure_speed
 from draftline.evaluation.vllm_backend import differences, generate_all, lossless_against, measure_vllm
 from draftline.serving.engine import ServeSpec, VllmServer
 
@@ -33,7 +37,8 @@ def save_for_vllm(drafter, verifier_dir: str | Path, out: Path) -> Path:
 
 
 def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k: int, max_new_tokens: int,
-                     concurrency: int, progress: bool, check_lossless: bool = True) -> ChainResult:
+                     concurrency: int, progress: bool, check_lossless: bool = True,
+                     speed_at: list[int] | None = None, confidence: float = 0.95) -> ChainResult:
     max_len = max(len(p) for p in prompts) + max_new_tokens + k + 8
     with tempfile.TemporaryDirectory(prefix="draftline-evaluate-vllm-") as tmp:
         directory = save_for_vllm(drafter, verifier_dir, Path(tmp) / "drafter")
@@ -45,23 +50,37 @@ def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k:
             result = measure_vllm(server.endpoint, server.model, prompts, max_new_tokens=max_new_tokens,
                                   concurrency=concurrency, progress=progress, tops=spec.dtype != "float32")
             server.check_alive()
-    say(f"vLLM measured acceptance length {result.acceptance_length:.3f} "
-        f"({result.generated_tokens / max(result.seconds, 1e-9):.0f} tokens/s)")
-    if not check_lossless:
-        return result
-    say("plain vLLM (no drafter) for the lossless check ...")
-    plain_spec = ServeSpec(model=verifier_dir, max_model_len=max_len)
-    exact = plain_spec.dtype == "float32"
+            say(f"vLLM measured acceptance length {result.acceptance_length:.3f} "
+                f"({result.generated_tokens / max(result.seconds, 1e-9):.0f} tokens/s)")
+            if not check_lossless and not speed_at:
+                return result
+            say("plain vLLM (no drafter) beside it, for the lossless check"
+                + (" and the speed-up" if speed_at else "") + " ...")
+            plain_spec = ServeSpec(model=verifier_dir, max_model_len=max_len)
+            with VllmServer(plain_spec) as plain:
+                if speed_at:
+                    result.speeds = measure_speed((server.endpoint, server.model), (plain.endpoint, plain.model),
+                                                  prompts, max_new_tokens=max_new_tokens, concurrencies=speed_at,
+                                                  level=confidence, progress=progress)
+                    server.check_alive()
+                if check_lossless:
+                    result = _lossless(result, plain, prompts, max_new_tokens, concurrency, progress)
+                plain.check_alive()
+    return result
+
+
+def _lossless(result: ChainResult, plain, prompts, max_new_tokens: int, concurrency: int,
+              progress: bool) -> ChainResult:
+    exact = plain.spec.dtype == "float32"
     tops: list | None = None if exact else []
-    with VllmServer(plain_spec) as plain:
-        reference, _ = generate_all(plain.endpoint, plain.model, prompts, max_new_tokens=max_new_tokens,
-                                    concurrency=concurrency, progress=progress, what="plain greedy on vLLM",
-                                    tops=tops)
-        allowed = 0
-        if tops is not None:  # bf16: how far plain decoding strays from itself one request at a time
-            allowed = _self_noise(plain, prompts, reference, tops, max_new_tokens=max_new_tokens, progress=progress)
-        plain.check_alive()
-    return lossless_against(result, reference, reference_tops=tops, allowed=allowed)
+    reference, _ = generate_all(plain.endpoint, plain.model, prompts, max_new_tokens=max_new_tokens,
+                                concurrency=concurrency, progress=progress, what="plain greedy on vLLM", tops=tops)
+    allowed = 0
+    if tops is not None:  # bf16: how far plain decoding strays from itself one request at a time
+        allowed = _self_noise(plain, prompts, reference, tops, max_new_tokens=max_new_tokens, progress=progress)
+    checked = lossless_against(result, reference, reference_tops=tops, allowed=allowed)
+    checked.speeds = result.speeds
+    return checked
 
 
 def _self_noise(plain, prompts: list[list[int]], reference: list[list[int]], tops: list, *, max_new_tokens: int,

@@ -32,6 +32,7 @@ from draftline.drafter.served import is_mla_drafter
 from draftline.errors import DataError, UsageError
 from draftline.evaluation.chain import measure_chain, recommend_num_speculative_tokens
 from draftline.evaluation.loopback import measure_loopback
+from draftline.evaluation.speed import measure_speed, parse_concurrencies, speed_metrics, speed_summary
 from draftline.evaluation.targets import load_drafter, resolve_target
 from draftline.evaluation.teacher_forced import greedy_replies, measure, prompts_of, served_replies
 from draftline.evaluation.vllm_backend import measure_vllm
@@ -114,17 +115,28 @@ def _measure(cfg: EvaluateConfig, backend: str, drafter, verifier_dir: str, reco
     prompts = prompts_of(records)[: cfg.max_prompts]
     if not prompts:
         raise DataError("the evaluation set has no sample with a prompt before its first assistant token")
+    speed_at = parse_concurrencies(cfg.speed_concurrency)
     if backend == "vllm-endpoint":
         assert cfg.vllm_endpoint is not None  # backend_of chose it for the endpoint
         model = cfg.vllm_model or served_models(cfg.vllm_endpoint)[0]  # the server's first, as --help says
-        return measure_vllm(cfg.vllm_endpoint, model, prompts, max_new_tokens=cfg.max_new_tokens,
-                            concurrency=cfg.concurrency, progress=progress), len(prompts), None
+        served = measure_vllm(cfg.vllm_endpoint, model, prompts, max_new_tokens=cfg.max_new_tokens,
+                              concurrency=cfg.concurrency, progress=progress)
+        if cfg.plain_endpoint and speed_at:
+            plain = (cfg.plain_endpoint, served_models(cfg.plain_endpoint)[0])
+            served.speeds = measure_speed((cfg.vllm_endpoint, model), plain, prompts,
+                                          max_new_tokens=cfg.max_new_tokens, concurrencies=speed_at,
+                                          level=cfg.confidence, progress=progress)
+        elif speed_at:
+            say("speed-up not measured: pass --plain-endpoint (the same verifier served without a drafter)")
+        return served, len(prompts), None
     if backend == "vllm":
         served = measure_loopback(drafter, verifier_dir, prompts, k=cfg.num_speculative_tokens,
                                   max_new_tokens=cfg.max_new_tokens, concurrency=cfg.concurrency,
-                                  progress=progress)
+                                  progress=progress, speed_at=speed_at, confidence=cfg.confidence)
         cross = _in_process(cfg, drafter, verifier_dir, prompts, progress) if cfg.cross_check else None
         return served, len(prompts), cross
+    if speed_at:
+        say("speed-up not measured: decoding in this process times transformers, not what vLLM serves")
     return _in_process(cfg, drafter, verifier_dir, prompts, progress), len(prompts), None
 
 
@@ -165,6 +177,10 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     tracking.setup()
     client = mlflow.MlflowClient()
     # every input is checked before the run exists: a typo leaves no failed run behind
+    if cfg.plain_endpoint and not cfg.vllm_endpoint:
+        raise UsageError("--plain-endpoint is the verifier without a drafter, compared with --vllm-endpoint: "
+                         "pass both, or neither (loopback starts its own pair)")
+    parse_concurrencies(cfg.speed_concurrency)
     data = open_prepared(resolve_data(cfg.data), verify=True)
     manifest = data.manifest
     data_name = dataset_name(client, cfg.data)
@@ -210,6 +226,11 @@ def _measured_metrics(cfg: EvaluateConfig, chain, n_prompts: int, cross, backend
                         "eval/measured/confidence": cfg.confidence})
         say(f"measured {interval.text()} on {interval.n} prompts ({cfg.confidence:.0%} interval, "
             f"width {interval.width:.2f}; {backend})")
+    metrics.update(speed_metrics(chain.speeds))
+    for speed in chain.speeds:
+        say(f"speed with the drafter: {speed.text()}"
+            + ("" if speed.speedup.low > 1.0 else ": it does not pay here (on a GPU deployment it must: "
+               "DRAFTLINE_REGISTRY_POLICIES=registry_policies/gpu gates on it)"))
     recommended = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
     metrics[evidence.RECOMMENDED_K] = float(recommended)
     _say_lossless(chain, n_prompts)
@@ -266,6 +287,8 @@ def _measured_summary(cfg: EvaluateConfig, chain, n_prompts: int, cross, backend
     if interval is not None:
         out["measured_interval"] = [round(interval.low, 4), round(interval.high, 4)]
         out["confidence"] = cfg.confidence
+    if chain.speeds:
+        out["speedup"] = speed_summary(chain.speeds)
     return out
 
 

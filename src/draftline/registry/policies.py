@@ -14,7 +14,7 @@ from pydantic_core import ErrorDetails
 from draftline.config import shipped
 from draftline.errors import ConfigError
 from draftline.registry.confidence import paired_difference
-from draftline.registry.evidence import HEADLINE, LOSSLESS, MEASURED, PROMPTS, Evidence, on_digest, on_set
+from draftline.registry.evidence import HEADLINE, LOSSLESS, MEASURED, PROMPTS, SPEED, Evidence, on_digest, on_set
 
 
 class Comparison(BaseModel):
@@ -44,6 +44,14 @@ class EvaluationRule(BaseModel):
                                     "this many prompts (fewer give intervals too wide to decide on)")
 
 
+class SpeedRule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    concurrency: int = Field(1, ge=1, description="the concurrency evaluate measured the speed-up at "
+                             "(evaluate --speed-concurrency)")
+    value: float = Field(gt=0.0, description="the drafter must decode at least this many times as fast as the "
+                         "verifier alone: the lower bound of the measured interval, not the point estimate")
+
+
 class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
     stage: str = Field(pattern="^(Staging|Production)$")
@@ -55,6 +63,7 @@ class Policy(BaseModel):
     not_worse_than_current: Comparison | None = None
     not_worse_than_parent: Comparison | None = None
     same_verifier_as_current: bool = False
+    min_speedup: SpeedRule | None = None
 
 
 @dataclass
@@ -144,16 +153,9 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None, evidence: Evidenc
     if policy.evaluation is not None:
         ev, result = _evaluated(policy.evaluation, evidence or Evidence())
         out.extend(result)
-    for key, floor in policy.min_metrics.items():
-        if key.startswith("eval/"):
-            v = ev.value(key, prefer_measured=policy.evaluation.prefer_measured) if ev and policy.evaluation else None
-            out.append(RuleResult(f"{key} >= {floor}", v is not None and v >= floor,
-                                  (f"{key}={v:.4f} ({ev.summary()})" if v is not None else f"{key} not measured")
-                                  if ev else "no evaluation on the policy's set"))
-            continue
-        v = _metric(mv, key)
-        out.append(RuleResult(f"{key} >= {floor}", v is not None and v >= floor,
-                              f"{key}={v}" if v is not None else f"{key} not recorded"))
+    out.extend(_floors(policy, mv, ev))
+    if policy.min_speedup is not None:
+        out.append(_speed_rule(policy.min_speedup, ev))
     for label, cmp_, other in (("current Production", policy.not_worse_than_current, current),
                                ("parent", policy.not_worse_than_parent, parent)):
         if cmp_ is None:
@@ -176,6 +178,22 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None, evidence: Evidenc
     if policy.same_verifier_as_current and current is not None:
         a, b = mv.tags.get("verifier.name_or_path"), current.tags.get("verifier.name_or_path")
         out.append(RuleResult("same verifier as current Production", a == b, f"{a} vs {b}"))
+    return out
+
+
+def _floors(policy: Policy, mv, ev) -> list[RuleResult]:
+    """``min_metrics``: ``eval/*`` from the evaluation on the policy's set, the others from the version's tags."""
+    out = []
+    for key, floor in policy.min_metrics.items():
+        if key.startswith("eval/"):
+            v = ev.value(key, prefer_measured=policy.evaluation.prefer_measured) if ev and policy.evaluation else None
+            out.append(RuleResult(f"{key} >= {floor}", v is not None and v >= floor,
+                                  (f"{key}={v:.4f} ({ev.summary()})" if v is not None else f"{key} not measured")
+                                  if ev else "no evaluation on the policy's set"))
+            continue
+        v = _metric(mv, key)
+        out.append(RuleResult(f"{key} >= {floor}", v is not None and v >= floor,
+                              f"{key}={v}" if v is not None else f"{key} not recorded"))
     return out
 
 
@@ -253,3 +271,20 @@ def _compare_paired(cmp_: Comparison, confidence: float, label: str, rule: str, 
              + ("not worse, at this confidence" if ok else "could be worse by more than the margin"))
     return RuleResult(rule, ok, f"{point}; paired delta {diff.value:+.4f} [{diff.low:+.4f}, {diff.high:+.4f}] on "
                       f"{diff.n} prompts; {words}")
+
+
+def _speed_rule(rule: SpeedRule, ev) -> RuleResult:
+    """The speed-up the drafter buys, on the policy's evaluation set: the lower bound of its paired interval
+    over waves must reach ``rule.value`` (a point estimate above it with an interval below it does not pass)."""
+    name = f"speed-up at concurrency {rule.concurrency} >= {rule.value}"
+    if ev is None:
+        return RuleResult(name, False, "no evaluation on the policy's set")
+    p = f"{SPEED}/c{rule.concurrency}"
+    value, low, high = (ev.metrics.get(f"{p}/{k}") for k in ("speedup", "speedup_low", "speedup_high"))
+    if value is None or low is None:
+        return RuleResult(name, False, f"the evaluation measured no speed at concurrency {rule.concurrency}: "
+                          f"evaluate on vLLM with --speed-concurrency {rule.concurrency}")
+    tps = ev.metrics.get(f"{p}/drafted_tokens_per_s"), ev.metrics.get(f"{p}/plain_tokens_per_s")
+    ok = low >= rule.value
+    return RuleResult(name, ok, f"x{value:.3f} [{low:.3f}, {high:.3f}] ({tps[0]:.1f} vs {tps[1]:.1f} tokens/s); "
+                      f"lower bound {low:.3f} {'>=' if ok else '<'} {rule.value}")

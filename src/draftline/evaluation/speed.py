@@ -1,0 +1,146 @@
+"""What a drafter buys: decoding speed with and without it, the same prompts on two vLLM servers side by side.
+
+A drafter is worth the tokens per second it buys, not its acceptance alone: each draft step costs a drafter
+forward and each verification a wider verifier step. So the same prompts go to the server that drafts and to the
+plain verifier, at each concurrency the team serves, in *waves* of ``c`` requests in flight: each wave runs on
+one server and then on the other, the order swapped every wave, so whatever else the machine does falls on both.
+Every request generates exactly ``max_new_tokens`` (``ignore_eos``; greedy, the same sampling on both), so the
+two sides decode the same number of tokens and a wave's times compare directly.
+
+Per concurrency: output tokens per second on each side (all tokens over all waves' wall time), time per output
+token and request latency (medians), and the speed-up, drafted over plain tokens per second, with a paired
+bootstrap interval over waves (:func:`draftline.registry.confidence.throughput_ratio`). Logged as
+``eval/speed/c<c>/*``; a policy's ``min_speedup`` reads the interval's lower bound.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+from tqdm import tqdm
+
+from draftline.console import bar_kwargs
+from draftline.errors import ConfigError
+from draftline.registry.confidence import Interval, throughput_ratio
+from draftline.registry.evidence import SPEED
+from draftline.serving.client import auth_headers, complete
+
+PREFIX = SPEED
+
+
+def parse_concurrencies(text: str | None) -> list[int]:
+    """``"1,8"`` -> ``[1, 8]``; ``off`` (or empty) -> ``[]``. Raises :class:`ConfigError`."""
+    if text is None or str(text).strip().lower() in ("", "off", "none", "0"):
+        return []
+    try:
+        values = sorted({int(x) for x in str(text).split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"speed concurrency {text!r}: give comma-separated request counts, e.g. 1,8 (or off)") \
+            from None
+    if not values or values[0] < 1:
+        raise ConfigError(f"speed concurrency {text!r}: each value must be at least 1 (e.g. 1,8), or off")
+    return values
+
+
+@dataclass
+class Side:
+    """One server's waves at one concurrency: wall seconds and tokens per wave, latency per request."""
+
+    wave_s: list[float]
+    wave_tokens: list[int]
+    latency_s: list[float]
+    tokens: list[int]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.wave_tokens) / max(sum(self.wave_s), 1e-9)
+
+    @property
+    def tpot_ms(self) -> float:
+        return 1000 * statistics.median(s / max(n, 1) for s, n in zip(self.latency_s, self.tokens, strict=True))
+
+    @property
+    def latency_median_s(self) -> float:
+        return statistics.median(self.latency_s)
+
+
+@dataclass
+class Speed:
+    concurrency: int
+    drafted: Side
+    plain: Side
+    speedup: Interval
+
+    def metrics(self) -> dict[str, float]:
+        p = f"{PREFIX}/c{self.concurrency}"
+        return {f"{p}/speedup": self.speedup.value, f"{p}/speedup_low": self.speedup.low,
+                f"{p}/speedup_high": self.speedup.high, f"{p}/waves": float(self.speedup.n),
+                f"{p}/drafted_tokens_per_s": self.drafted.tokens_per_s,
+                f"{p}/plain_tokens_per_s": self.plain.tokens_per_s,
+                f"{p}/drafted_tpot_ms": self.drafted.tpot_ms, f"{p}/plain_tpot_ms": self.plain.tpot_ms,
+                f"{p}/drafted_latency_s": self.drafted.latency_median_s,
+                f"{p}/plain_latency_s": self.plain.latency_median_s}
+
+    def text(self) -> str:
+        return (f"x{self.speedup.text()} at concurrency {self.concurrency} ({self.drafted.tokens_per_s:.1f} vs "
+                f"{self.plain.tokens_per_s:.1f} tokens/s; {self.drafted.tpot_ms:.0f} vs {self.plain.tpot_ms:.0f} "
+                f"ms per token; {self.speedup.n} waves)")
+
+
+def _wave(client, endpoint: str, model: str, prompts: list[list[int]], max_new_tokens: int, headers: dict,
+          side: Side) -> None:
+    def one(prompt):
+        t0 = time.perf_counter()
+        out = complete(client, endpoint, model, prompt, max_tokens=max_new_tokens, headers=headers,
+                       extra={"ignore_eos": True})
+        return time.perf_counter() - t0, len(out)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        done = list(pool.map(one, prompts))
+    side.wave_s.append(time.perf_counter() - start)
+    side.wave_tokens.append(sum(n for _, n in done))
+    side.latency_s += [s for s, _ in done]
+    side.tokens += [n for _, n in done]
+
+
+def measure_speed(drafted: tuple[str, str], plain: tuple[str, str], prompts: list[list[int]], *,
+                  max_new_tokens: int, concurrencies: list[int], level: float = 0.95,
+                  progress: bool = False) -> list[Speed]:
+    """Decode ``prompts`` on the drafted server and on the plain one (each ``(endpoint, served model)``), at each
+    concurrency, alternating wave by wave; one :class:`Speed` per concurrency. A warm-up request on each
+    server first, not counted."""
+    headers = auth_headers()
+    out = []
+    with httpx.Client() as client:
+        for endpoint, model in (drafted, plain):  # first requests pay for lazy initialisation: not counted
+            complete(client, endpoint, model, prompts[0], max_tokens=4, headers=headers)
+        for c in concurrencies:
+            waves = [prompts[i:i + c] for i in range(0, len(prompts), c)]
+            sides = {"drafted": Side([], [], [], []), "plain": Side([], [], [], [])}
+            with tqdm(total=2 * len(waves), desc=f"[draftline] speed at concurrency {c}", unit="wave",
+                      **bar_kwargs(progress)) as bar:
+                for i, wave in enumerate(waves):
+                    order = ("drafted", "plain") if i % 2 == 0 else ("plain", "drafted")
+                    for name in order:
+                        endpoint, model = drafted if name == "drafted" else plain
+                        _wave(client, endpoint, model, wave, max_new_tokens, headers, sides[name])
+                        bar.update(1)
+            d, p = sides["drafted"], sides["plain"]
+            interval = throughput_ratio(d.wave_tokens, d.wave_s, p.wave_tokens, p.wave_s, level=level)
+            out.append(Speed(c, d, p, interval))
+    return out
+
+
+def speed_metrics(speeds: list[Speed]) -> dict[str, float]:
+    return {k: v for s in speeds for k, v in s.metrics().items()}
+
+
+def speed_summary(speeds: list[Speed]) -> dict[str, list[float]]:
+    """For the command's JSON: ``{"c1": [speed-up, low, high], ...}``."""
+    return {f"c{s.concurrency}": [round(s.speedup.value, 4), round(s.speedup.low, 4), round(s.speedup.high, 4)]
+            for s in speeds}

@@ -1,0 +1,150 @@
+"""`draftline observe`: a serving vLLM's spec-decode counters over a window, recorded on the version it serves
+and compared with its evaluation. The servers here are HTTP servers exposing vLLM's metric names (real vLLM
+serves them in tests/integration/test_kimi.py); the registry is real."""
+
+import hashlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import mlflow
+import pytest
+from click.testing import CliRunner
+from mlflow import MlflowClient
+
+from draftline.cli import cli
+from draftline.registry.observe import window
+from draftline.registry.versions import model_id_of
+from draftline.util import manifest_digest
+
+from .test_registry import _version
+
+
+class Counters:
+    """A vLLM /metrics page whose counters the test moves; with ``spec=False``, a server without a drafter."""
+
+    def __init__(self, spec=True):
+        self.drafts, self.accepted, self.spec = 0, 0, spec
+        self.per_pos = [0, 0, 0]
+
+    def serve(self, drafts: int, accepted_per_pos: list[int]):
+        self.drafts += drafts
+        self.per_pos = [a + b for a, b in zip(self.per_pos, accepted_per_pos, strict=True)]
+        self.accepted = sum(self.per_pos)
+
+    def page(self) -> str:
+        if not self.spec:
+            return 'vllm:generation_tokens_total{model_name="kimi"} 100.0\n'
+        lines = [f'vllm:spec_decode_num_drafts_total{{model_name="kimi"}} {float(self.drafts)}',
+                 f'vllm:spec_decode_num_draft_tokens_total{{model_name="kimi"}} {float(3 * self.drafts)}',
+                 f'vllm:spec_decode_num_accepted_tokens_total{{model_name="kimi"}} {float(self.accepted)}']
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="kimi",position="{p}"}} {float(v)}'
+                  for p, v in enumerate(self.per_pos)]
+        return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def server():
+    counters = Counters()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            if self.path == "/metrics":
+                body, kind = counters.page().encode(), "text/plain"
+            elif self.path == "/v1/models":
+                body, kind = json.dumps({"data": [{"id": "kimi"}]}).encode(), "application/json"
+            else:
+                self.send_response(404)
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield counters, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+
+
+def _pulled(tmp_path, client, measured):
+    """A registered version evaluated at ``measured`` (16 prompts, interval of width 0) and its pulled dir."""
+    mlflow.set_experiment("observe")
+    unique = hashlib.sha256(str(tmp_path).encode()).hexdigest()  # one version per test on a shared server
+    files = {"config.json": unique, "model.safetensors": "b" * 64}
+    mv = _version(client, "kimi-drafter", 1.5, measured=measured, **{"export.sha256": manifest_digest(files)})
+    pulled = tmp_path / "pulled"
+    pulled.mkdir()
+    (pulled / "checksums.json").write_text(json.dumps(files))
+    return mv, pulled
+
+
+def _traffic(counters, drafts, per_pos, delay=0.5):
+    threading.Timer(delay, counters.serve, args=(drafts, per_pos)).start()
+
+
+def test_a_window_is_recorded_on_the_version_it_serves(server, tmp_path, store):
+    counters, endpoint = server
+    client = MlflowClient()
+    mv, pulled = _pulled(tmp_path, client, measured=2.0)
+    counters.serve(50, [40, 20, 10])  # before the window: not counted
+    _traffic(counters, 100, [80, 50, 30])  # 1 + 160 / 100 = 2.6: at or above the evaluation
+    r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "2",
+                                 "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["version"] == mv.version and out["served_acceptance_length"] == 2.6 and out["drafts"] == 100
+    assert out["rates"] == [0.8, 0.5, 0.3] and out["below"] is False
+    model = client.get_logged_model(model_id_of(mv))
+    served = {m.key: m.value for m in model.metrics if m.key.startswith("served/")}
+    assert served["served/acceptance_length"] == pytest.approx(2.6) and served["served/drafts"] == 100
+    assert model.tags["served.verdict"] == "as evaluated"
+    params = client.get_run(out["run_id"]).data.params
+    assert params["endpoints"] == endpoint
+
+
+def test_below_the_evaluation_exits_1_for_an_alert(server, tmp_path, store):
+    counters, endpoint = server
+    client = MlflowClient()
+    mv, pulled = _pulled(tmp_path, client, measured=2.5)
+    _traffic(counters, 100, [30, 10, 0])  # 1.4 served against 2.5 evaluated
+    r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "2"])
+    assert r.exit_code == 1 and "BELOW" in r.output
+    assert client.get_logged_model(model_id_of(mv)).tags["served.verdict"] == "below evaluation"
+
+
+@pytest.mark.parametrize("problem", ["no traffic", "no drafter", "unknown version", "no server"])
+def test_bad_input_is_one_line_and_records_nothing(problem, server, tmp_path, store):
+    counters, endpoint = server
+    client = MlflowClient()
+    mv, pulled = _pulled(tmp_path, client, measured=2.0)
+    runs_before = len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
+    if problem == "no drafter":
+        counters.spec = False
+    if problem == "unknown version":
+        (pulled / "checksums.json").write_text(json.dumps({"config.json": "c" * 64}))
+    if problem == "no server":
+        endpoint = "http://127.0.0.1:9/v1"
+    r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "1"])
+    assert r.exit_code not in (0, None) and "Traceback" not in r.output
+    assert len([x for x in r.output.strip().splitlines() if x.startswith("error")]) == 1, r.output
+    words = {"no traffic": "no traffic in the window", "no drafter": "exposes no vllm:spec_decode",
+             "unknown version": "is no registered version", "no server": "unreachable"}[problem]
+    assert words in r.output, r.output
+    assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == runs_before
+    assert "served.verdict" not in client.get_logged_model(model_id_of(mv)).tags
+
+
+def test_a_restarted_server_counts_from_its_restart_and_servers_are_summed():
+    def read(drafts, per):
+        return {"num_drafts": drafts, "num_draft_tokens": 3 * drafts, "num_accepted_tokens": sum(per),
+                "num_accepted_tokens_per_pos": dict(enumerate(per))}
+
+    w = window([read(500, [300, 200, 100]), read(10, [5, 2, 1])],
+               [read(40, [30, 20, 10]), read(110, [85, 52, 31])], 60.0)  # the first restarted
+    assert (w.drafts, w.accepted, w.resets, w.servers) == (140, 60 + 160, 1, 2)
+    assert w.per_pos == {0: 110, 1: 70, 2: 40}

@@ -1,0 +1,66 @@
+"""What a drafter buys: the speed-up's paired interval over waves, the setting that asks for it, and the policy
+rule that gates on its lower bound (the measurement itself runs on real vLLM in tests/integration/test_kimi.py)."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from draftline.cli import cli
+from draftline.errors import ConfigError
+from draftline.evaluation.speed import parse_concurrencies
+from draftline.registry.confidence import throughput_ratio
+from draftline.registry.evidence import MEASURED, Evaluation, Evidence
+from draftline.registry.policies import Policy, evaluate
+
+
+def test_the_speedup_is_the_ratio_of_tokens_per_second_with_a_paired_interval():
+    # the same waves, the drafted side twice as fast in each, machine noise shared wave by wave
+    noise = [1.0, 1.6, 0.8, 1.3, 2.2, 0.9, 1.1, 1.4]
+    tokens = [32] * len(noise)
+    two = throughput_ratio(tokens, [n / 2 for n in noise], tokens, noise)
+    assert two.value == pytest.approx(2.0) and two.low == pytest.approx(2.0) and two.high == pytest.approx(2.0)
+    # a drafter that is sometimes faster, sometimes slower: the interval spans 1
+    mixed = throughput_ratio(tokens, [n * f for n, f in zip(noise, [0.8, 1.2] * 4, strict=True)], tokens, noise)
+    assert mixed.low < 1.0 < mixed.high and mixed.n == len(noise)
+    slow = throughput_ratio(tokens, [2 * n for n in noise], tokens, noise)  # 0.5x: the CPU tier's finding
+    assert slow.high < 1.0
+
+
+@pytest.mark.parametrize(("text", "want"), [("1", [1]), ("8,1", [1, 8]), ("off", []), ("1,1,8", [1, 8])])
+def test_speed_concurrencies(text, want):
+    assert parse_concurrencies(text) == want
+
+
+def test_a_bad_speed_concurrency_is_refused():
+    with pytest.raises(ConfigError, match="at least 1"):
+        parse_concurrencies("0,8")
+
+
+@pytest.mark.parametrize("args", [["--speed-concurrency", "fast"], ["--plain-endpoint", "http://127.0.0.1:9/v1"]])
+def test_evaluate_refuses_speed_settings_it_cannot_use_at_once(args, tmp_path):
+    start = time.monotonic()
+    r = CliRunner().invoke(cli, ["evaluate", "--target", "random", "--data", str(tmp_path), *args])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert ("speed_concurrency" in r.output) if args[0] == "--speed-concurrency" else ("--vllm-endpoint" in r.output)
+    assert time.monotonic() - start < 10
+
+
+def _judge(metrics: dict, rule: dict):
+    policy = Policy(stage="Production", export_validated=False, evaluation={"data": "evaluation"},
+                    min_speedup=rule)
+    ev = Evaluation("evaluation", "d" * 36, {MEASURED: 2.0, **metrics})
+    mv = SimpleNamespace(tags={}, version="3")
+    return [r for r in evaluate(policy, mv, evidence=Evidence(version=[ev])) if r.rule.startswith("speed-up")][0]
+
+
+def test_the_speed_gate_reads_the_lower_bound():
+    fast = {"eval/speed/c1/speedup": 1.4, "eval/speed/c1/speedup_low": 1.2, "eval/speed/c1/speedup_high": 1.6,
+            "eval/speed/c1/drafted_tokens_per_s": 70.0, "eval/speed/c1/plain_tokens_per_s": 50.0}
+    assert _judge(fast, {"concurrency": 1, "value": 1.05}).passed
+    unsure = {**fast, "eval/speed/c1/speedup_low": 0.98}  # the point estimate passes; the interval does not
+    result = _judge(unsure, {"concurrency": 1, "value": 1.05})
+    assert not result.passed and "lower bound 0.980 < 1.05" in result.detail
+    missing = _judge(fast, {"concurrency": 8, "value": 1.05})
+    assert not missing.passed and "--speed-concurrency 8" in missing.detail
