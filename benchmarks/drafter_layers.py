@@ -84,4 +84,4 @@ def run(shape: str = "kimi", tokens: int = 512, iters: int = 6, rounds: int = 5)
             "dtype": "bfloat16", "tokens_per_step": tokens, "iters": iters, "rounds": rounds,
             "method": "variants interleaved, order rotated each round; ratio = median over rounds of the round's "
                       "median step / llama@blockwise's; spread = min..max over rounds",
-            "variants": results}
+            "steps": results}

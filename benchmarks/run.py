@@ -63,6 +63,13 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
         ("--tokens", dict(type=int, default=512, metavar="N", help="tokens per step (default: %(default)s)")),
         ("--iters", dict(type=int, default=6, metavar="N", help="steps per variant a round (default: %(default)s)")),
         ("--rounds", dict(type=int, default=5, metavar="N", help="interleaved rounds (default: %(default)s)"))]),
+    "speed": ("tokens/s with vs without the drafter on vLLM, as evaluate measures it (after ./demo_kimi.sh)", [
+        ("--shape", dict(default="kimi", choices=("kimi",), help="the miniature the demo trained (default: %(default)s)")),
+        ("--target", dict(default=None, metavar="URI", help="the drafter (default: the newest finetune run)")),
+        ("--data", dict(default=None, metavar="URI", help="the evaluation set (default: the newest 'evaluation')")),
+        ("--concurrency", dict(default="1,8", metavar="C,C", help="concurrencies (default: %(default)s)")),
+        ("--max-new-tokens", dict(type=int, default=48, metavar="N", help="tokens per prompt (default: %(default)s)")),
+        ("--max-prompts", dict(type=int, default=16, metavar="N", help="prompts (default: %(default)s)"))]),
     "parent-load": ("load + remap of an AQ-MedAI-layout parent vs reading its tensors", [
         shape("real", "real (a 2.4 GB checkpoint) or tiny")]),
     "warm-start": ("finetune steps from the parent vs from random init (smollm2: after ./demo_real.sh)", [

@@ -17,14 +17,17 @@ buys (:mod:`draftline.evaluation.speed`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 from pathlib import Path
 
+import torch
+
 from draftline.console import say
 from draftline.drafter.served import save_served
 from draftline.evaluation.chain import ChainResult
-from draftline.evaluation.speed import measure_speed
+from draftline.evaluation.speed import decode_side, measure_speed, pair
 from draftline.evaluation.vllm_backend import differences, generate_all, lossless_against, measure_vllm
 from draftline.serving.engine import ServeSpec, VllmServer
 
@@ -39,33 +42,47 @@ def save_for_vllm(drafter, verifier_dir: str | Path, out: Path) -> Path:
 def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k: int, max_new_tokens: int,
                      concurrency: int, progress: bool, check_lossless: bool = True,
                      speed_at: list[int] | None = None, confidence: float = 0.95) -> ChainResult:
+    """The drafted server, then the plain one: side by side on a CPU host (the speed compared wave by wave,
+    alternating), one after the other where a GPU is there (a verifier that fills the node leaves no room for
+    a second server: each side's waves are decoded while it is up, and paired afterwards)."""
     max_len = max(len(p) for p in prompts) + max_new_tokens + k + 8
-    with tempfile.TemporaryDirectory(prefix="draftline-evaluate-vllm-") as tmp:
+    together = not torch.cuda.is_available()
+    with tempfile.TemporaryDirectory(prefix="draftline-evaluate-vllm-") as tmp, contextlib.ExitStack() as stack:
         directory = save_for_vllm(drafter, verifier_dir, Path(tmp) / "drafter")
         spec = ServeSpec(model=verifier_dir, drafter=str(directory), k=k, max_model_len=max_len)
         say(f"starting vLLM ({spec.dtype}, loopback) with the drafter, k={k} ...")
-        with VllmServer(spec) as server:
-            say(f"vLLM up in {server.startup_s:.0f} s; measuring {len(prompts)} prompts x "
-                f"{max_new_tokens} tokens")
-            result = measure_vllm(server.endpoint, server.model, prompts, max_new_tokens=max_new_tokens,
-                                  concurrency=concurrency, progress=progress, tops=spec.dtype != "float32")
+        server = stack.enter_context(VllmServer(spec))
+        say(f"vLLM up in {server.startup_s:.0f} s; measuring {len(prompts)} prompts x {max_new_tokens} tokens")
+        result = measure_vllm(server.endpoint, server.model, prompts, max_new_tokens=max_new_tokens,
+                              concurrency=concurrency, progress=progress, tops=spec.dtype != "float32")
+        server.check_alive()
+        say(f"vLLM measured acceptance length {result.acceptance_length:.3f} "
+            f"({result.generated_tokens / max(result.seconds, 1e-9):.0f} tokens/s)")
+        if not check_lossless and not speed_at:
+            return result
+        drafted_side = None
+        if not together:  # the GPU node holds one verifier at a time
+            if speed_at:
+                drafted_side = decode_side((server.endpoint, server.model), prompts, max_new_tokens=max_new_tokens,
+                                           concurrencies=speed_at, progress=progress)
+            server.stop()
+        say("plain vLLM (no drafter)" + (" beside it" if together else "") + ", for the lossless check"
+            + (" and the speed-up" if speed_at else "") + " ...")
+        plain = stack.enter_context(VllmServer(ServeSpec(model=verifier_dir, max_model_len=max_len)))
+        if speed_at and together:
+            result.speeds = measure_speed((server.endpoint, server.model), (plain.endpoint, plain.model), prompts,
+                                          max_new_tokens=max_new_tokens, concurrencies=speed_at, level=confidence,
+                                          progress=progress)
             server.check_alive()
-            say(f"vLLM measured acceptance length {result.acceptance_length:.3f} "
-                f"({result.generated_tokens / max(result.seconds, 1e-9):.0f} tokens/s)")
-            if not check_lossless and not speed_at:
-                return result
-            say("plain vLLM (no drafter) beside it, for the lossless check"
-                + (" and the speed-up" if speed_at else "") + " ...")
-            plain_spec = ServeSpec(model=verifier_dir, max_model_len=max_len)
-            with VllmServer(plain_spec) as plain:
-                if speed_at:
-                    result.speeds = measure_speed((server.endpoint, server.model), (plain.endpoint, plain.model),
-                                                  prompts, max_new_tokens=max_new_tokens, concurrencies=speed_at,
-                                                  level=confidence, progress=progress)
-                    server.check_alive()
-                if check_lossless:
-                    result = _lossless(result, plain, prompts, max_new_tokens, concurrency, progress)
-                plain.check_alive()
+        elif drafted_side is not None:
+            plain_side = decode_side((plain.endpoint, plain.model), prompts, max_new_tokens=max_new_tokens,
+                                     concurrencies=speed_at or [], progress=progress)
+            result.speeds = pair(drafted_side, plain_side, confidence)
+            for s in result.speeds:
+                s.alternated = False
+        if check_lossless:
+            result = _lossless(result, plain, prompts, max_new_tokens, concurrency, progress)
+        plain.check_alive()
     return result
 
 

@@ -5,7 +5,10 @@ forward and each verification a wider verifier step. So the same prompts go to t
 plain verifier, at each concurrency the team serves, in *waves* of ``c`` requests in flight: each wave runs on
 one server and then on the other, the order swapped every wave, so whatever else the machine does falls on both.
 Every request generates exactly ``max_new_tokens`` (``ignore_eos``; greedy, the same sampling on both), so the
-two sides decode the same number of tokens and a wave's times compare directly.
+two sides decode the same number of tokens and a wave's times compare directly. Where the two servers cannot run
+side by side (a GPU node the verifier fills), each decodes every wave while it is up (:func:`decode_side`) and
+the waves are paired afterwards: the machine's noise then falls on one side at a time, and the logged
+``alternated`` says which it was.
 
 Per concurrency: output tokens per second on each side (all tokens over all waves' wall time), time per output
 token and request latency (medians), and the speed-up, drafted over plain tokens per second, with a paired
@@ -74,11 +77,13 @@ class Speed:
     drafted: Side
     plain: Side
     speedup: Interval
+    alternated: bool = True
 
     def metrics(self) -> dict[str, float]:
         p = f"{PREFIX}/c{self.concurrency}"
         return {f"{p}/speedup": self.speedup.value, f"{p}/speedup_low": self.speedup.low,
                 f"{p}/speedup_high": self.speedup.high, f"{p}/waves": float(self.speedup.n),
+                f"{p}/alternated": float(self.alternated),
                 f"{p}/drafted_tokens_per_s": self.drafted.tokens_per_s,
                 f"{p}/plain_tokens_per_s": self.plain.tokens_per_s,
                 f"{p}/drafted_tpot_ms": self.drafted.tpot_ms, f"{p}/plain_tpot_ms": self.plain.tpot_ms,
@@ -108,6 +113,29 @@ def _wave(client, endpoint: str, model: str, prompts: list[list[int]], max_new_t
     side.tokens += [n for _, n in done]
 
 
+def decode_side(server: tuple[str, str], prompts: list[list[int]], *, max_new_tokens: int,
+                concurrencies: list[int], progress: bool = False) -> dict[int, Side]:
+    """One server alone, every wave at each concurrency (a host where the two servers cannot run together:
+    a GPU node the verifier fills); paired with the other side by wave afterwards (:func:`pair`)."""
+    headers = auth_headers()
+    endpoint, model = server
+    out = {}
+    with httpx.Client() as client:
+        complete(client, endpoint, model, prompts[0], max_tokens=4, headers=headers)  # warm-up, not counted
+        for c in concurrencies:
+            out[c] = Side([], [], [], [])
+            for i in tqdm(range(0, len(prompts), c), desc=f"[draftline] speed at concurrency {c}", unit="wave",
+                          **bar_kwargs(progress)):
+                _wave(client, endpoint, model, prompts[i:i + c], max_new_tokens, headers, out[c])
+    return out
+
+
+def pair(drafted: dict[int, Side], plain: dict[int, Side], level: float = 0.95) -> list[Speed]:
+    return [Speed(c, drafted[c], plain[c], throughput_ratio(drafted[c].wave_tokens, drafted[c].wave_s,
+                                                             plain[c].wave_tokens, plain[c].wave_s, level=level))
+            for c in sorted(drafted)]
+
+
 def measure_speed(drafted: tuple[str, str], plain: tuple[str, str], prompts: list[list[int]], *,
                   max_new_tokens: int, concurrencies: list[int], level: float = 0.95,
                   progress: bool = False) -> list[Speed]:
@@ -115,25 +143,22 @@ def measure_speed(drafted: tuple[str, str], plain: tuple[str, str], prompts: lis
     concurrency, alternating wave by wave; one :class:`Speed` per concurrency. A warm-up request on each
     server first, not counted."""
     headers = auth_headers()
-    out = []
+    sides: dict[str, dict[int, Side]] = {"drafted": {}, "plain": {}}
     with httpx.Client() as client:
         for endpoint, model in (drafted, plain):  # first requests pay for lazy initialisation: not counted
             complete(client, endpoint, model, prompts[0], max_tokens=4, headers=headers)
         for c in concurrencies:
             waves = [prompts[i:i + c] for i in range(0, len(prompts), c)]
-            sides = {"drafted": Side([], [], [], []), "plain": Side([], [], [], [])}
+            for name in sides:
+                sides[name][c] = Side([], [], [], [])
             with tqdm(total=2 * len(waves), desc=f"[draftline] speed at concurrency {c}", unit="wave",
                       **bar_kwargs(progress)) as bar:
                 for i, wave in enumerate(waves):
-                    order = ("drafted", "plain") if i % 2 == 0 else ("plain", "drafted")
-                    for name in order:
+                    for name in (("drafted", "plain") if i % 2 == 0 else ("plain", "drafted")):
                         endpoint, model = drafted if name == "drafted" else plain
-                        _wave(client, endpoint, model, wave, max_new_tokens, headers, sides[name])
+                        _wave(client, endpoint, model, wave, max_new_tokens, headers, sides[name][c])
                         bar.update(1)
-            d, p = sides["drafted"], sides["plain"]
-            interval = throughput_ratio(d.wave_tokens, d.wave_s, p.wave_tokens, p.wave_s, level=level)
-            out.append(Speed(c, d, p, interval))
-    return out
+    return pair(sides["drafted"], sides["plain"], level)
 
 
 def speed_metrics(speeds: list[Speed]) -> dict[str, float]:
