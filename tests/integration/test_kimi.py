@@ -206,6 +206,7 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     invoke("promote", "kimi-drafter", ex["version"], "--to", "Production")
     pulled = invoke("pull", "kimi-drafter", "--stage", "Production", "--dest", str(tmp_path / "srv"), "--json")
     assert pulled["command"].startswith(f"vllm serve {KIMI_VERIFIER_ID} --trust-remote-code --speculative-config ")
+    assert pulled["command"].endswith(" --dtype bfloat16")  # vLLM serves the MLA pair in bf16
     config = json.loads((tmp_path / "srv" / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "kimi_k2"
     assert config["draft_vocab_size"] == 256

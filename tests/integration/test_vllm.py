@@ -33,7 +33,9 @@ def export_for_fp8_verifier(tiny, tmp_path: Path, *, inherit_quantization: bool)
     """A drafter for the FP8-configured tiny verifier, written by export's writer: with today's decoder-layer
     config, or (``inherit_quantization``) as exports were before, the verifier's quantization in its layer."""
     from draftline.drafter.model import build_draft_model
+    from draftline.drafter.served import save_served
     from draftline.drafter.shape import layer_config
+    from draftline.errors import CheckpointError
     from draftline.export.directory import write_drafter
 
     verifier = fp8_verifier(tiny, tmp_path)
@@ -42,9 +44,14 @@ def export_for_fp8_verifier(tiny, tmp_path: Path, *, inherit_quantization: bool)
     t2d[:256] = True
     model = build_draft_model(str(verifier), d2t=d2t, t2d=t2d, aux_layer_ids=AUX, draft_vocab_size=256,
                               dtype=torch.bfloat16, layer=layer_config(str(verifier)))
-    if inherit_quantization:
+    lineage = {"verifier.name_or_path": "draftline/tiny-verifier"}
+    if inherit_quantization:  # export refuses to write it; the directory as the old export wrote it
         model.config.transformer_layer_config.quantization_config = KIMI_K2_FP8
-    write_drafter(model, tmp_path / "drafter", {"verifier.name_or_path": "draftline/tiny-verifier"}, {})
+        with pytest.raises(CheckpointError, match="carries a quantization_config"):
+            write_drafter(model, tmp_path / "refused", lineage, {})
+        save_served(model, tmp_path / "drafter", lineage["verifier.name_or_path"])
+    else:
+        write_drafter(model, tmp_path / "drafter", lineage, {})
     return tmp_path / "drafter"
 
 
@@ -60,7 +67,8 @@ def test_a_verifier_with_an_fp8_quantization_config_exports_a_drafter_vllm_serve
 
 
 def test_a_drafter_whose_layer_inherits_the_quantization_is_refused_with_vllms_reason(tiny, tmp_path, vllm_python):
-    """What export's vLLM check catches: the old export (the verifier's whole config as the drafter's layer)."""
+    """What export refuses to write, and vLLM would refuse to serve: the old export (the verifier's whole config as
+    the drafter's layer)."""
     from draftline.serving.checks import check_serves
     from draftline.serving.engine import EngineError
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from mlflow import MlflowClient
 
 from draftline.cli import cli
-from draftline.registry.observe import window
+from draftline.evaluation.observe import window
 from draftline.registry.versions import model_id_of
 from draftline.util import manifest_digest
 

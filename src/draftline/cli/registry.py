@@ -188,7 +188,7 @@ def observe(endpoints, drafter_dir, version, model, window_s, every_minutes, win
     the evaluation measured or below its interval (exit 1 when below: an alert)."""
     from draftline import tracking
     from draftline.console import say
-    from draftline.registry import observe as observing
+    from draftline.evaluation import observe as observing
 
     tracking.setup()
     from mlflow import MlflowClient

@@ -68,7 +68,7 @@ def serve_lines(lineage: dict) -> str:
     spec = f'''--speculative-config '{{"model": "<this dir>", "method": "eagle3", "num_speculative_tokens": {k}}}'''
     long = f"vllm serve {lineage.get('verifier.name_or_path')} {spec}"
     if lineage.get("drafter.layer") == "mla":
-        return (f"{long}   # an MLA drafter (Eagle3DeepseekV2ForCausalLM): vLLM's speculators reader knows no MLA "
+        return (f"{long} --dtype bfloat16   # an MLA drafter (Eagle3DeepseekV2ForCausalLM): vLLM's speculators reader knows no MLA "
                 "layer, so the verifier is named here")
     return f"vllm serve <this dir>   # the verifier comes from speculators_config.verifier.name_or_path\n{long}"
 

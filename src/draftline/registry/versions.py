@@ -244,12 +244,15 @@ def register(client, name: str, *, model_id: str, run_id: str, tags: dict[str, s
 
 
 def vllm_command(directory: Path, verifier: str, num_speculative_tokens: int = 3, *,
-                 trust_remote_code: bool = False) -> tuple[str, dict]:
+                 trust_remote_code: bool = False, dtype: str | None = None) -> tuple[str, dict]:
     """The ``vllm serve`` line for the pulled drafter; ``--trust-remote-code`` where the verifier's data was
-    prepared with it (its config or tokenizer ships as code, as Kimi-K2's does)."""
+    prepared with it (its config or tokenizer ships as code, as Kimi-K2's does); ``--dtype`` where the pair needs
+    one (an MLA drafter beside its MLA verifier: bfloat16, the only dtype vLLM's CPU MLA serves)."""
     spec = {"model": str(directory), "method": "eagle3", "num_speculative_tokens": num_speculative_tokens}
     trust = " --trust-remote-code" if trust_remote_code else ""
-    return f"vllm serve {shlex.quote(verifier)}{trust} --speculative-config {shlex.quote(json.dumps(spec))}", spec
+    tail = f" --dtype {dtype}" if dtype else ""
+    return (f"vllm serve {shlex.quote(verifier)}{trust} --speculative-config {shlex.quote(json.dumps(spec))}"
+            f"{tail}", spec)
 
 
 def exported_k(config: dict, tags: dict) -> int:
@@ -295,7 +298,8 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     served = (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or want
     steps = exported_k(config, mv.tags)
     cmd, spec = vllm_command(local.absolute(), verifier or served, steps,
-                             trust_remote_code=mv.tags.get("verifier.trust_remote_code") == "True")
+                             trust_remote_code=mv.tags.get("verifier.trust_remote_code") == "True",
+                             dtype="bfloat16" if mv.tags.get("drafter.layer") == "mla" else None)
     return {"version": mv.version, "path": str(local.absolute()), "command": cmd, "speculative_config": spec,
             "verifier": served, "downloaded_bytes": stats["downloaded_bytes"], "cached_bytes": stats["cached_bytes"]}
 
