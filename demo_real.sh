@@ -178,7 +178,7 @@ def ev(name):
     return {k: r.get(k) for k in ("teacher_forced_acceptance_length", "teacher_forced_walk_acceptance_length",
                                   "measured_acceptance_length", "predicted_acceptance_length",
                                   "inprocess_acceptance_length", "backend", "acceptance_rate_per_position",
-                                  "lossless", "prompts")}
+                                  "lossless", "prompts", "speedup")}
 build = os.path.join(os.path.dirname(parent), "build.json")  # a cached parent's build record
 print(json.dumps({"model": f"models:/smollm2-gsm8k-drafter/{version}", "promoted": promoted == "true",
                   "parent": {"path": parent, "source": parent_source,

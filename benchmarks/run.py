@@ -63,20 +63,31 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
         ("--tokens", dict(type=int, default=512, metavar="N", help="tokens per step (default: %(default)s)")),
         ("--iters", dict(type=int, default=6, metavar="N", help="steps per variant a round (default: %(default)s)")),
         ("--rounds", dict(type=int, default=5, metavar="N", help="interleaved rounds (default: %(default)s)"))]),
-    "speed": ("tokens/s with vs without the drafter on vLLM, as evaluate measures it (after ./demo_kimi.sh)", [
-        ("--shape", dict(default="kimi", choices=("kimi",), help="the miniature the demo trained (default: %(default)s)")),
+    "speed": ("tokens/s with vs without the drafter on vLLM, as evaluate measures it (after a demo)", [
+        ("--shape", dict(default="kimi", choices=("kimi", "smollm2"),
+                         help="kimi: after ./demo_kimi.sh; smollm2: after ./demo_real.sh (default: %(default)s)")),
         ("--target", dict(default=None, metavar="URI", help="the drafter (default: the newest finetune run)")),
         ("--data", dict(default=None, metavar="URI", help="the evaluation set (default: the newest 'evaluation')")),
         ("--concurrency", dict(default="1,8", metavar="C,C", help="concurrencies (default: %(default)s)")),
         ("--max-new-tokens", dict(type=int, default=48, metavar="N", help="tokens per prompt (default: %(default)s)")),
-        ("--max-prompts", dict(type=int, default=16, metavar="N", help="prompts (default: %(default)s)"))]),
+        ("--max-prompts", dict(type=int, default=16, metavar="N", help="prompts (default: %(default)s)")),
+        ("--sweep-k", dict(default=None, metavar="1..K", help="also each k, the fastest named (default: off)"))]),
     "parent-load": ("load + remap of an AQ-MedAI-layout parent vs reading its tensors", [
         shape("real", "real (a 2.4 GB checkpoint) or tiny")]),
     "warm-start": ("finetune steps from the parent vs from random init (smollm2: after ./demo_real.sh)", [
         shape("tiny", "tiny, or smollm2: a finished ./demo_real.sh run"),
         ("--warm-start-steps", dict(type=int, default=None, dest="steps", metavar="N",
                                     help="smollm2: train both sides at this budget (default: the child's steps)"))]),
-    "plan": ("the Kimi-K2 drafter on 8 x 180 GiB, per ZeRO stage", []),
+    "ui-screenshot": ("the MLflow UI's page of a drafter, evaluated beside served, as PNGs for the docs", [
+        ("--registered-model", dict(default="smollm2-gsm8k-drafter", metavar="NAME", dest="registered",
+                        help="the registered drafter (default: %(default)s, after ./demo_real.sh)")),
+        ("--version", dict(default=None, metavar="N", help="its version (default: the newest)")),
+        ("--no-observe", dict(action="store_false", dest="observe",
+                              help="take the pages as they are (default: serve it on vLLM and observe first)")),
+        ("--window", dict(type=float, default=30.0, dest="window_s", metavar="S",
+                          help="observe's window (default: %(default)s)")),
+        ("--verifier", dict(default=None, metavar="DIR", help="the verifier here (default: its lineage's path)"))]),
+    "plan": ("both Kimi drafters on 8 x RTX PRO 6000 (PCIe), per ZeRO stage; the shards of 25,000 samples", []),
     "registry": ("register -> pull through a local mlflow server vs MLflow's own upload / download", [
         shape("real", "real (2.3 GB) or tiny"),
         ("--on", dict(default="disk", choices=("disk", "reflink"),

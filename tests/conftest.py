@@ -3,6 +3,7 @@ and a real ``mlflow server`` on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -64,6 +65,15 @@ def tiny(tmp_path_factory, request) -> dict[str, Path]:
 
     trained = any(item.get_closest_marker("integration") for item in request.session.items)
     return make_tiny(tmp_path_factory.mktemp("tiny"), DEMO, parent_steps=150 if trained else 0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def kimi(tmp_path_factory) -> dict[str, Path]:
+    """The Kimi-shaped verifier (DeepSeek-V3 as custom code) in its three forms and its two parents (Llama layer in
+    AQ-MedAI's layout, MLA layer in lightseek's, whole vocabulary), trained 60 steps."""
+    from draftline.testing.kimi import make_tiny_kimi
+
+    return make_tiny_kimi(tmp_path_factory.mktemp("kimi"), DEMO, parent_steps=60, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -158,6 +168,25 @@ def reflink_dir(tmp_path_factory):
         pytest.skip(f"no file system that clones: {e}")
 
 
+@pytest.fixture()
+def small_disk(tmp_path):
+    """A function that mounts a file system of N bytes (tmpfs) and returns its folder: a disk too small, or one
+    that fills during a write, for real. Skipped with the reason where it cannot be mounted, unless
+    DRAFTLINE_REQUIRE_SMALLFS=1 (.ci/run sets it where it runs as root)."""
+    from draftline.testing.smallfs import SmallFsUnavailable, small_filesystem
+
+    with contextlib.ExitStack() as stack:
+        def mount(size: int, name: str = "disk") -> Path:
+            try:
+                return stack.enter_context(small_filesystem(tmp_path / name, size))
+            except SmallFsUnavailable as e:
+                if os.environ.get("DRAFTLINE_REQUIRE_SMALLFS") == "1":
+                    raise
+                pytest.skip(f"no small file system: {e}")
+
+        yield mount
+
+
 @pytest.fixture(scope="session")
 def team_server(postgres, tmp_path_factory):
     """The README's team setup: ``mlflow server`` on PostgreSQL (runs, registry, and the basic-auth users
@@ -196,7 +225,25 @@ def store(request, workspace, monkeypatch):
         as_admin(monkeypatch, request.getfixturevalue("team_server"))
     if request.param != "sqlite":
         monkeypatch.setenv("DRAFTLINE_EXPERIMENT", f"promote-{request.node.name}")
+    if request.param == "server":
+        request.addfinalizer(_registry_as_found(uri))
     return request.param
+
+
+def _registry_as_found(uri: str):
+    """A shared `mlflow server` outlives its tests, and registered model names are global on it: what a test
+    registers there is deleted after it, so the next test's ``create_registered_model`` finds the name free."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    before = {m.name for m in client.search_registered_models(max_results=1000)}
+
+    def restore():
+        for m in client.search_registered_models(max_results=1000):
+            if m.name not in before:
+                client.delete_registered_model(m.name)
+
+    return restore
 
 
 @pytest.fixture(scope="session")
@@ -210,11 +257,12 @@ def auth_server(tmp_path_factory):
 
 
 @pytest.fixture()
-def server_workspace(workspace, mlflow_server, monkeypatch):
+def server_workspace(request, workspace, mlflow_server, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     import mlflow
 
     mlflow.set_tracking_uri(mlflow_server)
+    request.addfinalizer(_registry_as_found(mlflow_server))
     return workspace
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from draftline.errors import ConfigError, UsageError
 
@@ -70,6 +70,11 @@ class PrepareConfig(_Strict):
     output_dir: str | None = Field(None, description="Where the shards are written and stay (shared storage "
                                    "for a cluster; default $DRAFTLINE_WORK/prepared/<key>). A rerun with the "
                                    "same inputs and settings resumes there after the last finished shard.")
+    disk_check: bool = Field(True, description="Before capturing, estimate the shards' bytes ((aux layers + 1) x "
+                             "hidden x 2 bytes a token, the tokens measured with the verifier's tokenizer) and "
+                             "refuse when the --output-dir file system has less free; check again before each "
+                             "shard, so a disk that fills stops the run with its finished shards kept. false: "
+                             "skip both, for file systems that report their free space wrongly.")
     capture_backend: Literal["transformers", "vllm"] = Field(
         "transformers", description="Who computes the hidden states: transformers in this process, or vLLM with "
         "its extract_hidden_states method (a verifier only vLLM runs, such as Kimi-K2.5): a loopback server "
@@ -123,7 +128,19 @@ class FinetuneConfig(_Strict):
                                          "min(32000, verifier vocabulary).")
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     gpus: int = Field(0, ge=0, description="Ranks on this node (0: all GPUs, or 1 CPU rank without GPUs).")
-    hostfile: str | None = Field(None, description="DeepSpeed hostfile for multi-node runs.")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile: launch every node from this one over "
+                                 "pdsh/ssh (or run one finetune per node with --nnodes).")
+    nnodes: int | None = Field(None, ge=1, description="Nodes in the job, each running this same finetune (one "
+                               "Slurm task or Kubernetes pod per node) [default: NNODES, PET_NNODES or "
+                               "SLURM_NNODES, else 1].")
+    node_rank: int | None = Field(None, ge=0, description="This node's index in the job; node 0 opens the MLflow "
+                                  "run [default: NODE_RANK, PET_NODE_RANK or SLURM_NODEID].")
+    master_addr: str | None = Field(None, description="Node 0's address, the same on every node [default: "
+                                    "MASTER_ADDR].")
+    master_port: int | None = Field(None, ge=1024, le=65534, description="The ranks' rendezvous port on node 0; "
+                                    "the launchers also use the next one [default: MASTER_PORT, else 29500].")
+    rendezvous_timeout: float = Field(300.0, gt=0, description="Seconds a node waits for node 0 to answer and "
+                                      "node 0 for every node to join, before it gives up.")
     steps: int = Field(200, ge=1, description="Optimiser steps.")
     lr: float = Field(1e-3, gt=0, le=1.0, description="Peak learning rate (AdamW). 1e-3 served best in the "
                       "recipe sweep (README); from-scratch runs of 100k+ steps on a cluster use 1e-4.")
@@ -222,10 +239,14 @@ class EvaluateConfig(_Strict):
                                       "spec-decode counters, instead of in this process.")
     vllm_model: str | None = Field(None, description="Model name the vLLM server serves (default: its first).")
     concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight on the vLLM server.")
-    speed_concurrency: str = Field("1", pattern=r"^(off|\d+(,\d+)*)$", description="Also decode the same prompts "
+    speed_concurrency: str = Field("1", description="Also decode the same prompts "
                                    "with the verifier alone and report the speed-up the drafter buys (tokens/s, "
                                    "per-token time, latency) at each of these concurrencies, e.g. 1,8; off to skip. "
                                    "On vLLM only: loopback, or --vllm-endpoint with --plain-endpoint.")
+    sweep_k: str | None = Field(None, description="Measure the speed-up at each of these "
+                                "num_speculative_tokens too (1..4, or 1,2,4) and recommend the one that decodes "
+                                "fastest here, instead of the cost model's guess. Loopback vLLM only: each k "
+                                "starts a drafted server of its own.")
     plain_endpoint: str | None = Field(None, description="With --vllm-endpoint: a vLLM server of the same "
                                        "verifier without a drafter (its OpenAI base URL), for the speed-up.")
     verifier: str | None = Field(None, description="The verifier's directory on this machine (default: where the "
@@ -235,6 +256,57 @@ class EvaluateConfig(_Strict):
     draft_cost_ratio: float = Field(0.05, gt=0.0, le=1.0, description="Cost of one draft step relative to one "
                                     "verifier step, for the recommended num_speculative_tokens.")
     tokens_per_batch: int = Field(4096, ge=16, description="Packed tokens per teacher-forced batch.")
+
+    @field_validator("speed_concurrency")
+    @classmethod
+    def _concurrencies(cls, v: str) -> str:
+        if not re.fullmatch(r"off|[1-9]\d*(,[1-9]\d*)*", v.strip()):
+            raise UsageError(f"--speed-concurrency {v!r}: give comma-separated request counts of at least 1, "
+                             "e.g. 1,8 (or off)")
+        return v.strip()
+
+    @field_validator("sweep_k")
+    @classmethod
+    def _sweep(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        text = v.strip()
+        span = re.fullmatch(r"(\d+)\.\.(\d+)", text)
+        if span:
+            ks = list(range(int(span[1]), int(span[2]) + 1))
+        elif re.fullmatch(r"\d+(,\d+)*", text):
+            ks = sorted({int(x) for x in text.split(",")})
+        else:
+            ks = []
+        if not ks or ks[0] < 1 or ks[-1] > 16:
+            raise UsageError(f"--sweep-k {v!r}: give num_speculative_tokens from 1 to 16 as a range (1..4) or a "
+                             "list (1,2,4)")
+        return ",".join(map(str, ks))
+
+    @property
+    def speed_at(self) -> list[int]:
+        """The concurrencies the speed-up is measured at (``[]``: off)."""
+        return [] if self.speed_concurrency == "off" else sorted({int(x) for x in self.speed_concurrency.split(",")})
+
+    @property
+    def sweep(self) -> list[int]:
+        """The num_speculative_tokens ``--sweep-k`` measures (``[]``: none)."""
+        return [int(x) for x in self.sweep_k.split(",")] if self.sweep_k else []
+
+    @model_validator(mode="after")
+    def _plain_needs_drafted(self) -> EvaluateConfig:
+        if self.plain_endpoint and not self.vllm_endpoint:
+            raise UsageError("--plain-endpoint is the verifier without a drafter, compared with --vllm-endpoint: "
+                             "pass both, or neither (loopback starts its own pair)")
+        if self.sweep and self.vllm_endpoint:
+            raise UsageError("--sweep-k starts a drafted vLLM server per k, and a server's k is fixed when it "
+                             "starts: drop --vllm-endpoint (loopback), or evaluate each served k on its endpoint")
+        if self.sweep and not self.speed_at:
+            raise UsageError("--sweep-k picks the k that decodes fastest, so it measures speed: give "
+                             "--speed-concurrency (e.g. 1), not off")
+        if self.sweep and not self.measured:
+            raise UsageError("--sweep-k measures decoding on vLLM: drop --no-measured")
+        return self
 
 
 def parse_categories(spec: str | None) -> tuple[set[str], set[str]]:

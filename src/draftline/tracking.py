@@ -27,6 +27,12 @@ EXPERIMENT_ENV = "DRAFTLINE_EXPERIMENT"
 DEFAULT_EXPERIMENT = "draftline"
 
 
+def client() -> MlflowClient:
+    """The one place draftline makes its tracking client: MLflow's own, on the store :func:`setup` chose (or
+    ``MLFLOW_TRACKING_URI``), with MLflow's credentials from the environment."""
+    return MlflowClient()
+
+
 def tracking_uri() -> str:
     """``MLFLOW_TRACKING_URI``, else an absolute ``sqlite:///<cwd>/mlflow.db`` (MLflow 3's default store)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
@@ -59,10 +65,10 @@ def setup(experiment: str | None = None, *, select_experiment: bool = True) -> s
                 exp = mlflow.set_experiment(name)
             if "mlflow.experimentKind" not in exp.tags:  # the UI opens a training experiment on its runs
                 try:
-                    mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, "mlflow.experimentKind",
+                    client().set_experiment_tag(exp.experiment_id, "mlflow.experimentKind",
                                                              "custom_model_development")
                 except Exception:  # noqa: BLE001  (set by a process starting beside us; else it is a real error)
-                    if "mlflow.experimentKind" not in mlflow.MlflowClient().get_experiment(exp.experiment_id).tags:
+                    if "mlflow.experimentKind" not in client().get_experiment(exp.experiment_id).tags:
                         raise
     except Exception as e:  # noqa: BLE001
         raise TrackingError(f"cannot use the experiment on {uri}: {e}") from None
@@ -72,7 +78,7 @@ def setup(experiment: str | None = None, *, select_experiment: bool = True) -> s
 def experiment_id() -> str:
     """The experiment this process logs to, as :func:`setup` selected it (under ``mlflow run``: its run's)."""
     if os.environ.get("MLFLOW_RUN_ID"):
-        return mlflow.MlflowClient().get_run(os.environ["MLFLOW_RUN_ID"]).info.experiment_id
+        return client().get_run(os.environ["MLFLOW_RUN_ID"]).info.experiment_id
     if os.environ.get("MLFLOW_EXPERIMENT_ID"):
         return os.environ["MLFLOW_EXPERIMENT_ID"]
     name = os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT)
@@ -180,7 +186,7 @@ def end_run(status: str, wait_s: float | None = None) -> None:
         time.sleep(delay)
         delay = min(delay * 2, 15.0)
         try:
-            MlflowClient().set_terminated(run_id, status)
+            client().set_terminated(run_id, status)
             return
         except Exception:  # noqa: BLE001
             continue
@@ -191,13 +197,13 @@ def end_run(status: str, wait_s: float | None = None) -> None:
 def log_params_once(params: dict[str, object], run_id: str | None = None) -> None:
     """Log params; on a resumed run, skip those already logged with the same value (MLflow params are
     immutable) and refuse a changed value."""
-    client = MlflowClient()
+    tracker = client()
     if run_id is None:
         active = mlflow.active_run()
         if active is None:
             raise TrackingError("no MLflow run to log params to: call this inside a stage's run")
         run_id = active.info.run_id
-    existing = client.get_run(run_id).data.params
+    existing = tracker.get_run(run_id).data.params
     fresh = {}
     for k, v in params.items():
         s = "" if v is None else str(v)
@@ -210,7 +216,7 @@ def log_params_once(params: dict[str, object], run_id: str | None = None) -> Non
     if fresh:
         items = [Param(k, v) for k, v in fresh.items()]
         for i in range(0, len(items), 100):
-            client.log_batch(run_id, params=items[i : i + 100])
+            tracker.log_batch(run_id, params=items[i : i + 100])
 
 
 def parse_run_ref(ref: str) -> tuple[str, str | None]:

@@ -16,7 +16,7 @@ from draftline.util import files_digest
 
 from ..conftest import DEMO
 
-pytestmark = [pytest.mark.integration, pytest.mark.benchmark]  # two generations, ZeRO-2 and ZeRO-3: 2+ minutes
+pytestmark = pytest.mark.integration  # two generations, ZeRO-2 and ZeRO-3: 2 minutes
 
 
 def invoke(*args):

@@ -179,8 +179,8 @@ def test_a_full_disk_during_export_is_one_error_and_leaves_nothing_behind(pipeli
     (RuntimeError("boom"), None),
 ])
 def test_out_of_room_reads_the_errno_wherever_a_library_put_it(raised, found):
+    from draftline.disk_space import out_of_room
     from draftline.errors import DataError
-    from draftline.export.disk_space import out_of_room
 
     assert out_of_room(raised) == found
     try:  # MLflow's download report, wrapped `from None` by draftline.tracking.download

@@ -32,7 +32,6 @@ def _pod_user(uri: str) -> tuple[str, str]:
     return user
 
 
-@pytest.mark.benchmark  # eight pull processes against basic-auth on PostgreSQL: 100 s
 def test_eight_pods_pull_production_while_it_moves(team_server, monkeypatch, tmp_path, mechanics_policies):
     """Every pull ends with the complete, verified directory of one version that held Production at some
     moment during that pull, never a mix; the cache four of them share holds only whole blobs."""
@@ -98,7 +97,6 @@ def _one_message(r_err: str) -> bool:
     return "Traceback" not in r_err and sum(line.startswith("error: ") for line in r_err.splitlines()) == 1
 
 
-@pytest.mark.benchmark  # 96 MiB versions and two server restarts
 def test_a_server_restarted_mid_pull_and_mid_promotion(restartable, monkeypatch, tmp_path, mechanics_policies):
     """Pulls cut off by a crashed server try again and finish (or stop with one message, exit 75); a
     promotion cut off the same way ends with stage and alias in agreement."""

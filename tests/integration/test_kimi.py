@@ -5,6 +5,7 @@ bf16, through every stage. Skipped, saying why, without the vLLM venv (CI builds
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import httpx
@@ -26,14 +27,6 @@ def invoke(*args, code: int = 0):
     r = CliRunner().invoke(cli, list(args), catch_exceptions=False)
     assert r.exit_code == code, r.output
     return json.loads(r.stdout) if code == 0 and r.stdout.lstrip().startswith("{") else r.output
-
-
-@pytest.fixture(scope="session")
-def kimi(tmp_path_factory) -> dict[str, Path]:
-    from draftline.testing.kimi import make_tiny_kimi
-
-    return make_tiny_kimi(tmp_path_factory.mktemp("kimi"), ROOT / "configs" / "demo" / "conversations.jsonl",
-                          parent_steps=60, progress=False)
 
 
 def test_the_custom_code_directory_needs_the_flag_and_nothing_is_left(workspace, kimi):
@@ -146,6 +139,7 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     parent (ZeRO-2, 2 ranks, --vocab rebuild from its whole vocabulary) -> evaluate on vLLM beside the verifier
     (bf16, lossless up to near ties) -> export with the vLLM check on -> promote -> pull --stage Production -> the
     pulled directory served by the printed command's speculative config, drafting."""
+    from draftline.registry.versions import model_id_of
     from draftline.serving.client import read_counters
     from draftline.serving.engine import ServeSpec, VllmServer
     from draftline.serving.hf_model import allow_custom_code
@@ -179,7 +173,7 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     assert fp["drafter.layer"] == "mla"
 
     child = invoke("evaluate", "--target", f"runs:/{ft['run_id']}", "--data", ev["data_uri"], "--max-new-tokens",
-                   "24", "--cross-check", "true")
+                   "24", "--cross-check", "true", "--sweep-k", "1..3")
     assert child["backend"] == "vllm", child  # an MLA drafter is served beside the MLA verifier on any CPU
     assert child["measured_acceptance_length"] > 1.0, child
     # vLLM serves the MLA drafter as it was trained: the same drafter decoding in this process agrees
@@ -191,11 +185,18 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     value, low, high = child["speedup"]["c1"]
     assert 0 < low <= value <= high and m["eval/speed/c1/waves"] == child["prompts"]
     assert m["eval/speed/c1/plain_tokens_per_s"] > 0 and m["eval/speed/c1/drafted_tpot_ms"] > 0
+    # --sweep-k: a drafted server per k beside the plain one; the k recommended is the fastest measured
+    assert sorted(child["sweep"]) == ["k1", "k2", "k3"] and child["sweep"]["k3"] == child["speedup"], child
+    fastest = max((1, 2, 3), key=lambda k: child["sweep"][f"k{k}"]["c1"][0])
+    assert child["recommended_num_speculative_tokens"] == fastest == m["eval/sweep/c1/fastest_k"], child
+    assert child["recommended_from"] == "measured speed at concurrency 1", child
 
     ex = invoke("export", "--run", ft["run_id"], "--registered-model", "kimi-drafter")
     mv = client.get_model_version("kimi-drafter", ex["version"])
     assert mv.tags["export.vllm_check"].startswith("passed") and "bfloat16" in mv.tags["export.vllm_check"]
     assert mv.tags["verifier.name_or_path"] == KIMI_VERIFIER_ID and mv.tags["drafter.layer"] == "mla"
+    assert mv.tags["eval.recommended_num_speculative_tokens"] == str(fastest)  # what vLLM is told to draft
+    assert mv.tags["eval.recommended_num_speculative_tokens.from"] == "measured speed (--sweep-k)"
     policies = tmp_path / "policies"
     policies.mkdir()
     (policies / "production.yaml").write_text("stage: Production\nexport_validated: true\n")
@@ -210,6 +211,7 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     config = json.loads((tmp_path / "srv" / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "kimi_k2"
     assert config["draft_vocab_size"] == 256
+    assert pulled["speculative_config"]["num_speculative_tokens"] == fastest
 
     spec = pulled["speculative_config"]  # the printed command, with the verifier where it lies on this host
     with VllmServer(ServeSpec(model=verifier, served_name="drafted", max_model_len=1024, drafter=spec["model"],
@@ -219,3 +221,20 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
             "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert read_counters(served.endpoint, "drafted", {})["num_drafts"] > 0
+        # what the fleet sees: observe reads this server's counters over a window of traffic and records them
+        # on the version it serves, found from the pulled directory
+        traffic = threading.Thread(target=lambda: [httpx.post(served.endpoint + "/completions", timeout=120, json={
+            "model": "drafted", "prompt": f"What is {n} plus {n}?", "max_tokens": 16, "temperature": 0})
+            for n in range(4)])
+        traffic.start()
+        seen = CliRunner().invoke(cli, ["observe", "--endpoint", served.endpoint, "--drafter", spec["model"],
+                                        "--window", "10", "--json"], catch_exceptions=False)
+        traffic.join()
+    assert seen.exit_code in (0, 1), seen.output  # 1: below the evaluation's interval (an alert), said so
+    observed = json.loads(seen.stdout)
+    assert (observed["name"], str(observed["version"])) == ("kimi-drafter", str(ex["version"]))
+    assert observed["drafts"] > 0
+    assert observed["below"] == (seen.exit_code == 1)
+    logged = client.get_logged_model(model_id_of(mv))
+    assert logged.tags["served.acceptance_length"] == f"{observed['served_acceptance_length']:.4f}"
+    assert logged.tags["served.verdict"] == ("below evaluation" if observed["below"] else "as evaluated")

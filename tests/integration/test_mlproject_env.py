@@ -16,6 +16,8 @@ from mlflow import MlflowClient
 
 from ..conftest import DEMO, ROOT
 
+# benchmark tier: `mlflow run` builds its own environment from conda.yaml (torch, DeepSpeed, speculators, MLflow
+# downloaded again from the registry), which CI's clean clone cannot afford every time
 pytestmark = pytest.mark.benchmark
 
 

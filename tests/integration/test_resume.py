@@ -20,11 +20,8 @@ def _draftline(*args):
     return [sys.executable, "-m", "draftline.cli", *map(str, args)]
 
 
-@pytest.mark.benchmark  # three finetunes (killed, resumed, uninterrupted): two minutes and more
-def test_kill_and_resume_continues_the_same_run(workspace, prepared):
-    flags = ["--data", prepared, "--init", "tiny", "--gpus", "2", "--steps", "4", "--save-every", "2",
-             "--tokens-per-batch", "512", "--val-fraction", "0"]
-    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+def _killed_at_step2(flags: list) -> str:
+    """Start a finetune, kill -9 its whole process group once step 2 is checkpointed; the run's id."""
     proc = subprocess.Popen(_draftline("finetune", *flags), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 300
@@ -38,15 +35,14 @@ def test_kill_and_resume_continues_the_same_run(workspace, prepared):
     assert latest is not None, "no checkpoint appeared before the run ended"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    run_id = latest.parents[1].name
+    return latest.parents[1].name
+
+
+def _resumed_equals_uninterrupted(flags: list, run_id: str, params_before: dict) -> dict:
+    """Resume the killed run to the end; its weights are those of an uninterrupted run with the same seed."""
+    from draftline.drafter.handoff import consolidate
+
     client = MlflowClient()
-    params_before = client.get_run(run_id).data.params
-
-    changed = subprocess.run(_draftline("finetune", *flags[:-2], "--val-fraction", "0.2", "--resume", run_id),
-                             capture_output=True, text=True)
-    assert changed.returncode == 1
-    assert "cannot change its settings" in changed.stderr and "Traceback" not in changed.stderr
-
     done = subprocess.run(_draftline("finetune", *flags, "--resume", run_id), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["run_id"] == run_id
@@ -56,11 +52,8 @@ def test_kill_and_resume_continues_the_same_run(workspace, prepared):
     steps = sorted({m.step for m in client.get_metric_history(run_id, "train/loss")})
     assert steps == [1, 2, 3, 4]
 
-    # the resumed weights are those of an uninterrupted run with the same seed
     straight = subprocess.run(_draftline("finetune", *flags), capture_output=True, text=True)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    from draftline.drafter.handoff import consolidate
-
     resumed = consolidate(Path("work") / run_id / "checkpoints")
     reference = consolidate(Path("work") / json.loads(straight.stdout)["run_id"] / "checkpoints")
     assert resumed.keys() == reference.keys()
@@ -68,9 +61,58 @@ def test_kill_and_resume_continues_the_same_run(workspace, prepared):
         torch.testing.assert_close(resumed[key], reference[key], rtol=1e-2, atol=1e-3, msg=key)  # bf16 tolerance
     identical = sum(torch.equal(resumed[k], reference[k]) for k in reference)
     print(f"resumed vs uninterrupted: {identical}/{len(reference)} tensors bit-identical")
+    return run.data.params
+
+
+@pytest.mark.timeout(900)
+def test_kill_and_resume_continues_the_same_run(workspace, prepared):
+    flags = ["--data", prepared, "--init", "tiny", "--gpus", "2", "--steps", "4", "--save-every", "2",
+             "--tokens-per-batch", "512", "--val-fraction", "0"]
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    run_id = _killed_at_step2(flags)
+    params_before = MlflowClient().get_run(run_id).data.params
+
+    changed = subprocess.run(_draftline("finetune", *flags[:-2], "--val-fraction", "0.2", "--resume", run_id),
+                             capture_output=True, text=True)
+    assert changed.returncode == 1
+    assert "cannot change its settings" in changed.stderr and "Traceback" not in changed.stderr
+
+    _resumed_equals_uninterrupted(flags, run_id, params_before)
     # DeepSpeed's CPU all-reduce buffers (66 MiB of RAM per rank in /dev/shm): none left by the three runs, the
     # one killed with -9 included
     assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
+
+
+@pytest.fixture(scope="module")
+def kimi_prepared(kimi, tmp_path_factory) -> Path:
+    """The demo conversations captured from the Kimi-shaped verifier (custom code, transformers capture)."""
+    from draftline.config import PrepareConfig
+    from draftline.data.prepare import build_data
+    from draftline.serving.hf_model import allow_custom_code
+
+    allow_custom_code(kimi["verifier"])  # what --trust-remote-code tells prepare
+    out = tmp_path_factory.mktemp("kimi-prepared") / "data"
+    build_data(PrepareConfig(conversations=str(ROOT / "configs" / "demo" / "conversations.jsonl"),
+                             verifier=str(kimi["verifier"]), trust_remote_code=True, max_length=256,
+                             shard_tokens=4096), out, progress=False)
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_an_mla_drafter_under_zero3_from_its_whole_vocabulary_parent_resumes_as_uninterrupted(
+        workspace, kimi, kimi_prepared, monkeypatch):
+    """The mission's drafter in miniature: MLA layer, ZeRO-3 (parameters partitioned over the ranks), --vocab
+    parent from a parent whose draft vocabulary is the verifier's whole vocabulary (no d2t/t2d), killed at step 2
+    and resumed to the weights an uninterrupted run reaches."""
+    monkeypatch.setenv("DRAFTLINE_TINY_KIMI_DIR", str(kimi["parent_mla"].parent))
+    flags = ["--data", kimi_prepared, "--init", "tiny-kimi-mla", "--vocab", "parent", "--gpus", "2",
+             "--zero-stage", "3", "--steps", "4", "--save-every", "2", "--tokens-per-batch", "512",
+             "--val-fraction", "0"]
+    run_id = _killed_at_step2(flags)
+    params = _resumed_equals_uninterrupted(flags, run_id, MlflowClient().get_run(run_id).data.params)
+    whole = json.loads((kimi["verifier"] / "config.json").read_text())["vocab_size"]
+    assert params["drafter.layer"] == "mla" and params["zero.stage"] == "3" and params["vocab.policy"] == "parent"
+    assert params["vocab.draft_size"] == str(whole) and params["vocab.dropped"] == "0", params
 
 
 def test_prepare_killed_during_capture_resumes_in_the_same_run_and_writes_the_same_data(workspace, tiny, prepared):

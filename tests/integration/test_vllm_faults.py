@@ -59,7 +59,6 @@ def env(workspace, vllm_python, tmp_path):
     return e
 
 
-@pytest.mark.benchmark  # three vLLM starts and three prepares: ~3 min on 2 cores, past CI's budget
 @pytest.mark.timeout(1200)
 def test_vllm_killed_mid_regeneration_keeps_the_answers_and_the_rerun_asks_only_for_the_rest(env, tiny, workspace,
                                                                                            tmp_path):
@@ -96,7 +95,6 @@ def test_vllm_killed_mid_regeneration_keeps_the_answers_and_the_rerun_asks_only_
     assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in two["shards"]]
 
 
-@pytest.mark.benchmark  # three prepares, each starting its own vLLM: ~3 min on 2 cores, past CI's budget
 @pytest.mark.timeout(1200)
 def test_vllm_killed_mid_capture_keeps_the_shards_and_the_rerun_resumes_after_them(env, tiny, workspace, tmp_path):
     verifier = str(tiny["verifier"])

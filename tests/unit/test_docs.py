@@ -152,3 +152,34 @@ def test_the_readme_is_a_front_page_whose_test_commands_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^\.venv/bin/python -m pytest -q --all\s*$", ci, re.M)
     assert "mkdocs build --strict" in ci
+
+
+CITED_TEST = re.compile(r"\b((?:unit|integration)/test_\w+\.py)")
+# files the docs may cite although CI does not run them, each with its reason
+BENCHMARK_ONLY = {"integration/test_mlproject_env.py": "`mlflow run` builds its own environment from the registry"}
+
+
+def _ci_runs_a_test_of(path: Path) -> bool:
+    """Whether `pytest --all` (CI's `not benchmark`) selects at least one test of ``path``: a module marked
+    benchmark selects none; otherwise one test function without the marker (or a parametrisation without it)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    marked = lambda decorators: any("benchmark" in ast.unparse(d) and "param(" not in ast.unparse(d)  # noqa: E731
+                                    for d in decorators)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):
+            if "benchmark" in ast.unparse(node.value):
+                return False
+    return any(isinstance(n, ast.FunctionDef) and n.name.startswith("test") and not marked(n.decorator_list)
+               for n in tree.body)
+
+
+def test_every_test_file_the_docs_cite_is_one_ci_runs():
+    cited = {m for source in SOURCES for m in CITED_TEST.findall(source.read_text())}
+    assert cited, "the docs cite no test file: the pattern is wrong"
+    missing = sorted(c for c in cited if not (ROOT / "tests" / c).is_file())
+    assert not missing, f"the docs cite test files that do not exist: {missing}"
+    skipped = sorted(c for c in cited - set(BENCHMARK_ONLY) if not _ci_runs_a_test_of(ROOT / "tests" / c))
+    assert not skipped, f"the docs cite test files CI never runs (all marked benchmark): {skipped}"
+    assert not _ci_runs_a_test_of(ROOT / "tests" / "integration" / "test_generations.py")  # the check can say no

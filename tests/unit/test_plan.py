@@ -50,6 +50,38 @@ def test_stages_on_8_gpus_follow_deepspeed(kimi):
     assert "SW: Model with 961M total params, 154M largest layer params" in kimi["deepspeed_estimators"]
 
 
+def test_the_default_is_the_missions_gpu_over_pcie_and_zero2_is_chosen_for_both_layers():
+    """8 x RTX PRO 6000 (96 GB, no NVLink): every stage fits both Kimi drafters; ZeRO-1/2 send what ZeRO-0 sends
+    (the gradients reduced, the parameters gathered: 2 x 7/8 x 2P bytes), ZeRO-3 1.5x that plus the frozen
+    parameters it partitions, so ZeRO-2 is the one to use, and the arithmetic, not PCIe, bounds its step."""
+    for layer in ("llama", "mla"):
+        p = plan.make_plan(layer=layer)
+        assert p["gpu_memory_gib"] == 95.0 and all(s["fits"] for s in p["stages"].values())
+        t = p["interconnect"]
+        assert t["link"] == "pcie" and t["bandwidth_gb_s"] == 63.0 and "PCI-SIG" in t["bandwidth_source"]
+        sent = {k: v["sent_bytes"] for k, v in t["stages"].items()}
+        assert sent["0"] == sent["1"] == sent["2"] == int(7 / 8 * 2 * 2 * p["trainable"])
+        assert sent["3"] == int(7 / 8 * 2 * (3 * p["trainable"] + 2 * p["frozen"]))
+        assert p["recommended_stage"] == 2, p["recommended_because"]
+        assert "the arithmetic bounds a step" in p["recommended_because"]
+        assert t["stages"]["3"]["link_over_compute"] > 1 > t["stages"]["2"]["link_over_compute"]
+    nvlink = plan.make_plan(link="nvlink")["interconnect"]["stages"]["2"]["link_s"]
+    assert nvlink == pytest.approx(plan.make_plan()["interconnect"]["stages"]["2"]["link_s"] * 63 / 900)
+    assert plan.make_plan(gpus=1)["interconnect"]["stages"]["3"]["sent_bytes"] == 0
+
+
+def test_zero3_is_chosen_where_only_it_fits():
+    p = plan.make_plan(layer="mla", gpus=8, gpu_memory_gib=72)  # ZeRO-2 67.0 GiB, ZeRO-3 62.8 of 64.8
+    assert [k for k, s in p["stages"].items() if s["fits"]] == ["3"]
+    assert p["recommended_stage"] == 3 and "only stage that fits" in p["recommended_because"]
+
+
+def test_the_plan_sizes_the_missions_shards():
+    p = plan.make_plan(layer="mla")["storage"]
+    assert (p["samples"], p["tokens"], p["bytes_per_token"]) == (25_000, 75_000_000, 57_353)
+    assert 4.30e12 < p["bytes"] < 4.31e12 and p["offered"] == ["bf16"] and "assumed" in p["tokens_source"]
+
+
 def test_fits_on_8_b200_and_not_on_small_gpus():
     big = plan.make_plan(gpus=8, gpu_memory_gib=180, zero_stage=2)
     assert big["fits"] is True and all(s["fits"] for s in big["stages"].values())
@@ -169,6 +201,9 @@ def test_cli_json_parses(run):
 def test_cli_table_and_exit_1_when_the_chosen_stage_does_not_fit(run):
     ok = run("plan", "--zero-stage", "2")
     assert ok.exit_code == 0 and "ZeRO-2" in ok.stdout and "<- chosen" in ok.stdout
+    assert "use: --zero-stage 2: ZeRO-2 fits" in ok.stdout and "interconnect: pcie at 63 GB/s" in ok.stdout
+    assert "prepared shards: 4.3 TB for 25,000 samples x 3,000 tokens" in ok.stdout
+    assert "1.1 TB" in run("plan", "--samples", "25000", "--tokens-per-sample", "768").stdout
     r = run("plan", "--gpu-memory-gib", "8", "--zero-stage", "2")
     assert r.exit_code == 1
     assert "error: ZeRO-2 does not fit" in r.stderr and "--tokens-per-batch" in r.stderr

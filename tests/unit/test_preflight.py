@@ -2,6 +2,7 @@
 launching process in seconds, before any rank starts, with one message naming the key, the shapes and the fix."""
 
 import json
+import resource
 import struct
 import time
 from pathlib import Path
@@ -88,10 +89,16 @@ def _check(kimi_verifier, parent: Path, policy="parent", manifest=MANIFEST):
 def test_the_real_aq_medai_shape_is_checked_in_seconds_from_headers_only(kimi_verifier, tmp_path):
     parent = _aq_medai_parent(tmp_path / "aq")
     assert (parent / "model.safetensors").stat().st_size > 2.3e9  # the real size, but a hole on disk
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
     took = _check(kimi_verifier, parent)
     wall = time.perf_counter() - t0
-    print(f"preflight at the AQ-MedAI shape: {took['seconds']:.2f} s ({wall:.2f} s with the layer config)")
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_before
+    print(f"preflight at the AQ-MedAI shape: {took['seconds']:.2f} s ({wall:.2f} s with the layer config), peak "
+          f"memory +{grew / 1e6:.0f} MB")
+    # the drafter on the meta device and the parent's headers: building it for real would take 10 GB (fp32) and
+    # tens of seconds here; loading the parent's 2.38 GB would raise the peak by as much
+    assert took["seconds"] < 10 and grew < 1e9
     _check(kimi_verifier, parent, policy="rebuild")
 
 

@@ -52,8 +52,9 @@ def test_the_measurement_itself_is_quick_and_real():
     import time
 
     t = time.perf_counter()
-    ratio = precision.measure(576, 1536)  # SmolLM2's drafter
-    assert ratio > 0 and time.perf_counter() - t < 5
+    ratio = precision.measure(576, 1536)  # SmolLM2's drafter: bf16 over fp32 matmul speed on this CPU
+    # a real timing: finite, within what CPUs give (0.02x on an EPYC without bf16 units, ~4x with AMX)
+    assert 0.001 < ratio < 100 and time.perf_counter() - t < 5
 
 
 def test_hidden_noise_is_relative_to_each_aux_layers_scale():

@@ -8,9 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from draftline.cli import cli
-from draftline.errors import ConfigError
-from draftline.evaluation.speed import parse_concurrencies
-from draftline.registry.confidence import throughput_ratio
+from draftline.config import EvaluateConfig
+from draftline.evaluation.speed import Side, Speed, fastest_k, sweep_metrics, sweep_text
+from draftline.registry.confidence import Interval, throughput_ratio
 from draftline.registry.evidence import MEASURED, Evaluation, Evidence
 from draftline.registry.policies import Policy, evaluate
 
@@ -30,21 +30,43 @@ def test_the_speedup_is_the_ratio_of_tokens_per_second_with_a_paired_interval():
 
 @pytest.mark.parametrize(("text", "want"), [("1", [1]), ("8,1", [1, 8]), ("off", []), ("1,1,8", [1, 8])])
 def test_speed_concurrencies(text, want):
-    assert parse_concurrencies(text) == want
+    assert EvaluateConfig(target="t", data="d", speed_concurrency=text).speed_at == want
 
 
-def test_a_bad_speed_concurrency_is_refused():
-    with pytest.raises(ConfigError, match="at least 1"):
-        parse_concurrencies("0,8")
+@pytest.mark.parametrize(("text", "want"), [("1..4", [1, 2, 3, 4]), ("4,1,2", [1, 2, 4]), ("2..2", [2])])
+def test_sweep_k(text, want):
+    assert EvaluateConfig(target="t", data="d", sweep_k=text).sweep == want
 
 
-@pytest.mark.parametrize("args", [["--speed-concurrency", "fast"], ["--plain-endpoint", "http://127.0.0.1:9/v1"]])
-def test_evaluate_refuses_speed_settings_it_cannot_use_at_once(args, tmp_path):
+def _speeds(values: dict[int, float]) -> list[Speed]:
+    side = Side([1.0], [10], [1.0], [10])
+    return [Speed(c, side, side, Interval(v, v - 0.1, v + 0.1, 0.95, 8)) for c, v in values.items()]
+
+
+def test_the_sweep_recommends_the_k_that_decodes_fastest_at_the_lowest_concurrency():
+    # k=2 is fastest at one request in flight, k=1 at eight: the recommendation is the latency one
+    sweep = {1: _speeds({1: 0.70, 8: 0.40}), 2: _speeds({1: 0.81, 8: 0.30}), 3: _speeds({1: 0.62, 8: 0.22})}
+    assert fastest_k(sweep) == 2 and fastest_k(sweep, 8) == 1
+    m = sweep_metrics(sweep)
+    assert m["eval/sweep/c1/fastest_k"] == 2 and m["eval/sweep/c8/fastest_k"] == 1
+    assert m["eval/sweep/k3/c8/speedup_low"] == pytest.approx(0.12)
+    assert sweep_text(sweep).startswith("k=1 x0.70 [0.60, 0.80], k=2 x0.81")
+
+
+@pytest.mark.parametrize(("args", "named"), [(["--speed-concurrency", "fast"], "--speed-concurrency 'fast'"),
+                                             (["--speed-concurrency", "0,8"], "at least 1"),
+                                             (["--plain-endpoint", "http://127.0.0.1:9/v1"], "--vllm-endpoint"),
+                                             (["--sweep-k", "0..3"], "--sweep-k '0..3'"),
+                                             (["--sweep-k", "1..4", "--speed-concurrency", "off"], "not off"),
+                                             (["--sweep-k", "1,2", "--vllm-endpoint", "http://127.0.0.1:9/v1"],
+                                              "fixed when it starts")])
+def test_evaluate_refuses_speed_settings_it_cannot_use_at_once(args, named, tmp_path):
+    """Refused as settings, before the (empty) data folder is even looked at."""
     start = time.monotonic()
     r = CliRunner().invoke(cli, ["evaluate", "--target", "random", "--data", str(tmp_path), *args])
-    assert r.exit_code != 0 and "Traceback" not in r.output
-    assert ("speed_concurrency" in r.output) if args[0] == "--speed-concurrency" else ("--vllm-endpoint" in r.output)
-    assert time.monotonic() - start < 10
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert named in r.output and "manifest" not in r.output
+    assert time.monotonic() - start < 2
 
 
 def _judge(metrics: dict, rule: dict):

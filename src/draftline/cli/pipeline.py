@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 
 import mlflow
-from mlflow import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PROJECT_ENTRY_POINT
 
 from draftline import tracking
@@ -56,7 +55,7 @@ def run_main(*, conversations: str, verifier: str, init: str, registered_model: 
              extra: dict[str, dict[str, str]] | None = None, use_cache: bool = True) -> dict[str, str]:
     extra = extra or {}
     tracking.setup()
-    client = MlflowClient()
+    client = tracking.client()
     commit: str | None = lineage.git_commit().removesuffix("-dirty")  # what MLflow records as mlflow.source.git.commit
     commit = None if commit == "unknown" else commit
     with tracking.stage_run("main", run_name="main") as parent:

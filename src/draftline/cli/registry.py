@@ -11,12 +11,10 @@ from draftline.cli.common import _stdout_to_stderr, cli, model_name
 
 
 def _client():
-    from mlflow import MlflowClient
-
     from draftline import tracking
 
     tracking.setup_read_only()  # the registry's commands log no runs, and never create a tracking store
-    return MlflowClient()
+    return tracking.client()
 
 
 def _report(out: dict, as_json: bool) -> None:
@@ -191,10 +189,8 @@ def observe(endpoints, drafter_dir, version, model, window_s, every_minutes, win
     from draftline.evaluation import observe as observing
 
     tracking.setup()
-    from mlflow import MlflowClient
-
     with _stdout_to_stderr():
-        out = observing.run(MlflowClient(), list(endpoints), model=model, drafter_dir=drafter_dir, version=version,
+        out = observing.run(tracking.client(), list(endpoints), model=model, drafter_dir=drafter_dir, version=version,
                             window_s=window_s, every_s=every_minutes * 60 if every_minutes else None,
                             windows=windows, say=say)
     click.echo(json.dumps(out, indent=2) if as_json else

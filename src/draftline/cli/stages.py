@@ -1,16 +1,21 @@
-"""The pipeline's commands: make-tiny, make-verifier, prepare, finetune, evaluate, export, main, plan, inspect,
+"""The pipeline's commands: make-tiny, make-verifier, prepare, finetune, evaluate, export, main, inspect,
 verify-data."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
 
 from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, model_name, settings_options
 from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig, shipped, suggest
+from draftline.data.inputs import check_data_ref, read_inputs
 from draftline.serving.verifiers import CATALOG as VERIFIERS
+from draftline.train.inputs import check_visible as check_finetune_files
+from draftline.train.inputs import job_place
+from draftline.train.nodes import QUIET_C10D
 
 
 @cli.command("make-tiny")
@@ -71,9 +76,12 @@ def make_verifier_cmd(name, out_dir):
 @settings_options(PrepareConfig)
 def prepare(config_file, **flags):
     """Conversations -> verifier hidden states (one MLflow run; prints the data URI)."""
+    cfg = _settings(PrepareConfig, config_file, flags)
+    with _stdout_to_stderr():
+        inputs = read_inputs(cfg)  # the conversations and the verifier's files, before torch and the rest load
     from draftline.data.prepare import run
 
-    _result(run, _settings(PrepareConfig, config_file, flags))
+    _result(run, cfg, inputs=inputs)
 
 
 @cli.command()
@@ -82,9 +90,13 @@ def prepare(config_file, **flags):
               help="Continue this finetune run from its last DeepSpeed checkpoint.")
 def finetune(config_file, resume_run, **flags):
     """Finetune a drafter from a parent with DeepSpeed ZeRO (one MLflow run)."""
+    cfg = _settings(FinetuneConfig, config_file, flags)
+    check_finetune_files(cfg)  # the files the settings name, before torch and DeepSpeed load
+    if job_place(cfg).multi:  # the launchers' rendezvous speaks in one line, not c10d's retry traces
+        os.environ.setdefault(QUIET_C10D[0], QUIET_C10D[1])
     from draftline.train.finetune import run
 
-    _result(run, _settings(FinetuneConfig, config_file, flags), resume_run=resume_run)
+    _result(run, cfg, resume_run=resume_run)
 
 
 @cli.command()
@@ -92,18 +104,21 @@ def finetune(config_file, resume_run, **flags):
 def evaluate(config_file, **flags):
     """Measure a drafter (a parent, a version or a finetune run) on a fixed evaluation set: teacher-forced and
     by real speculative decoding against the verifier; logged onto its model (one MLflow run)."""
+    cfg = _settings(EvaluateConfig, config_file, flags)
+    check_data_ref(cfg.data)  # before the heavy libraries load
     from draftline.evaluation.stage import run
 
-    _result(run, _settings(EvaluateConfig, config_file, flags))
+    _result(run, cfg)
 
 
 @cli.command()
 @settings_options(ExportConfig)
 def export(config_file, **flags):
     """Consolidate, validate and register a finetune run's drafter as a new model version."""
+    cfg = _settings(ExportConfig, config_file, flags)  # names and values refused before the stage loads
     from draftline.export.stage import run
 
-    _result(run, _settings(ExportConfig, config_file, flags))
+    _result(run, cfg)
 
 
 @cli.command("main")
@@ -162,90 +177,3 @@ def inspect(target, allow_pickle, as_json):
     with _stdout_to_stderr():
         out = describe(target, allow_pickle=allow_pickle)
     click.echo(json.dumps(out, indent=2) if as_json else render(out))
-
-
-@cli.command()
-@click.option("--drafter", default=None, type=click.Path(exists=True),
-              help="Drafter directory or its config.json (speculators, SpecForge or vLLM's MLA layout) "
-                   "[default: the real Kimi drafter of --drafter-layer].")
-@click.option("--drafter-layer", type=click.Choice(["llama", "mla"]), default="llama", show_default=True,
-              help="Without --drafter: llama plans AQ-MedAI's Kimi-K2 drafter (one Llama layer, draft vocab 32000); "
-                   "mla lightseek's Kimi-K2.5 one (one DeepSeek-V3 MLA layer, the full 163,840-token vocabulary).")
-@click.option("--draft-vocab-size", type=click.IntRange(2), default=None,
-              help="Without --drafter: a draft vocabulary of this many tokens instead of the drafter's own.")
-@click.option("--gpus", type=click.IntRange(1), default=8, show_default=True, help="GPUs per node.")
-@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True, help="Nodes.")
-@click.option("--gpu-memory-gib", type=click.FloatRange(0, min_open=True), default=180.0, show_default=True,
-              help="Memory per GPU (180: B200).")
-@click.option("--tokens-per-batch", type=click.IntRange(1), default=4096, show_default=True,
-              help="Packed tokens per rank per step.")
-@click.option("--ttt-steps", type=click.IntRange(1, 16), default=3, show_default=True,
-              help="Test-time-training steps (draft positions).")
-@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
-              help="Training precision.")
-@click.option("--attn-impl", type=click.Choice(["sdpa", "eager", "simple_flex_attention", "blockwise"]),
-              default="sdpa", show_default=True,
-              help="Attention the drafter trains with (finetune's auto: sdpa on GPUs, blockwise on CPUs).")
-@click.option("--margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
-              help="Share of GPU memory kept free for what is not modelled (CUDA context, NCCL, fragmentation).")
-@click.option("--zero-stage", type=click.IntRange(0, 3), default=None,
-              help="The stage you will train with: exit 1 when it does not fit.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def plan(drafter, drafter_layer, draft_vocab_size, gpus, nodes, gpu_memory_gib, tokens_per_batch, ttt_steps, precision, attn_impl,
-         margin, zero_stage, as_json):
-    """GPU memory per ZeRO stage for finetuning a drafter: exact parameter counts (meta device), DeepSpeed's
-    model-state estimators, an activation estimate, and whether each stage fits."""
-    from draftline.train import plan as planning
-
-    with _stdout_to_stderr():
-        out = planning.make_plan(drafter, gpus=gpus, nodes=nodes, gpu_memory_gib=gpu_memory_gib,
-                                 tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps, precision=precision,
-                                 attn_impl=attn_impl, margin=margin, zero_stage=zero_stage, layer=drafter_layer,
-                                 draft_vocab_size=draft_vocab_size)
-    click.echo(json.dumps(out, indent=2) if as_json else render_plan(out))
-    if zero_stage is not None:
-        planning.check(out, zero_stage)
-
-
-def render_plan(plan: dict) -> str:
-    """The plan as a plain-text table."""
-    from draftline.train import plan as planning
-
-    lg, lf, a = plan["largest_layer"], plan["largest_frozen_layer"], plan["activations"]
-    big = max(s["total"] for s in plan["stages"].values()) >= planning.GIB
-    unit, unit_name = (planning.GIB, "GiB") if big else (1 << 20, "MiB")  # tiny drafters in MiB
-    mem = "GPU memory unknown: fit not checked" if plan["gpu_memory_gib"] is None else (
-        f"{plan['gpu_memory_gib']:g} GiB per GPU less {plan['margin']:.0%} margin = {planning.gib(plan['budget_bytes'])} GiB")
-    lines = [
-        f"drafter: {plan['drafter']}",
-        f"  params {plan['params']:,} = trainable {plan['trainable']:,} + frozen {plan['frozen']:,} "
-        f"({', '.join(plan['frozen_names'])})",
-        f"  checkpoint {plan['checkpoint_params']:,} (what vLLM loads; "
-        f"{plan['checkpoint_params_with_embeddings']:,} with embeddings)",
-        f"  largest trainable layer {lg['name']} ({lg['params']:,}); largest frozen {lf['name']} ({lf['params']:,})",
-        f"setup: {plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s); {mem}",
-        f"  {plan['precision']}, tokens_per_batch {plan['tokens_per_batch']}, ttt_steps {plan['ttt_steps']}, "
-        f"attention {a['attn_impl']}",
-        "",
-        f"  {unit_name + ' per GPU':<12}{'model states':>13}{'frozen':>9}{'activations':>13}{'total':>9}"
-        f"{'headroom':>10}  fits",
-    ]
-    for stage, s in plan["stages"].items():
-        fits = "?" if s["fits"] is None else ("yes" if s["fits"] else "NO")
-        mark = "  <- chosen" if plan["zero_stage"] is not None and int(stage) == plan["zero_stage"] else ""
-        cells = [planning.gib(s[k], unit) for k in ("model_states", "frozen", "activations", "total", "headroom")]
-        lines.append(f"  ZeRO-{stage:<7}{cells[0]:>13}{cells[1]:>9}{cells[2]:>13}{cells[3]:>9}{cells[4]:>10}  "
-                     f"{fits}{mark}")
-    lines += ["", "model states (P trainable params, L largest trainable layer, N GPUs in all):"]
-    lines += [f"  ZeRO-{k}: {s['source']}" for k, s in plan["stages"].items()]
-    lines += [f"  frozen params: {2 if plan['precision'] == 'bf16' else 4} bytes each on every GPU; ZeRO-3 partitions "
-              "them and gathers the largest",
-              f"activations (an estimate): {a['formula']}",
-              f"  = {plan['tokens_per_batch']} x ({plan['ttt_steps']} x {a['per_step']:,} + {a['kv_cache']:,} + "
-              f"{a['once']:,} + {a['transient']:,}) + {a['quadratic']:,} bytes",
-              "", "DeepSpeed's own estimators for the trainable params (per CPU, per GPU, every offload option):",
-              *("  " + ln for ln in plan["deepspeed_estimators"].rstrip().splitlines())]
-    return "\n".join(lines)
-
-
-

@@ -22,9 +22,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import datasets
-import pyarrow.parquet as pq
-
 from draftline.config import parse_categories
 from draftline.errors import DataError
 from draftline.util import file_sha256
@@ -89,6 +86,8 @@ def is_prompt(sample: dict) -> bool:
 
 
 def _records_from_dataset(path: Path) -> list[tuple[int, object]]:
+    import datasets  # noqa: PLC0415 (a dataset directory only: 1-2 s to import, and prepare refuses a typo first)
+
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001
@@ -137,6 +136,8 @@ def _records_from_json(path: Path) -> tuple[list[tuple[int, object]], list[tuple
 
 
 def _records_from_parquet(path: Path) -> list[tuple[int, object]]:
+    import pyarrow.parquet as pq  # noqa: PLC0415 (a Parquet file only: prepare refuses a typo before it loads)
+
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as e:  # noqa: BLE001 (pyarrow's ArrowInvalid and friends)

@@ -11,24 +11,24 @@ import json
 import logging
 import os
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 import mlflow
 import torch
-from huggingface_hub import snapshot_download
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from draftline import tracking
 from draftline.config import PrepareConfig, work_dir
 from draftline.console import bar_kwargs, say
-from draftline.data import shards
+from draftline.data import shards, storage
 from draftline.data.capture import iter_hidden_states
 from draftline.data.capture_vllm import iter_hidden_states_vllm, loopback_capture_server, probe_capture
-from draftline.data.conversations import is_prompt, load_conversations, select_categories, source_digest
+from draftline.data.conversations import is_prompt, source_digest
+from draftline.data.inputs import Inputs, check_verifier_files, read_inputs, resolve_verifier
 from draftline.data.regenerate import probe, regenerate, served_models
 from draftline.data.tokenize import TokenizedSample, tokenize_conversations
+from draftline.disk_space import human_bytes
 from draftline.errors import DataError
 from draftline.registry import lineage
 from draftline.registry.lineage import verifier_identity
@@ -39,26 +39,6 @@ from draftline.serving.vllm_support import require_served
 from draftline.util import interrupt_on_signals, same_command
 
 log = logging.getLogger(__name__)
-
-
-def resolve_verifier(name_or_path: str) -> str:
-    """A local directory (made absolute) or a repo id present in the local Hugging Face cache."""
-    p = Path(name_or_path).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise DataError(f"verifier directory {p} has no config.json: pass a Hugging Face model directory")
-        return str(p.resolve())
-    if p.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
-        raise DataError(f"verifier {name_or_path} is not a directory: pass a local Hugging Face model directory "
-                        "or a repo id already in the local cache")
-
-    try:
-        return snapshot_download(name_or_path, local_files_only=True,
-                                 cache_dir=os.environ.get("HF_HUB_CACHE") or None)
-    except Exception:  # noqa: BLE001
-        raise DataError(f"verifier {name_or_path} is not in the local Hugging Face cache and nothing is "
-                        f"downloaded at run time: `huggingface-cli download {name_or_path}` first, or pass "
-                        "its local directory") from None
 
 
 def resolve_aux_layers(aux: list[int] | None, num_layers: int) -> list[int]:
@@ -80,49 +60,44 @@ def verifier_fingerprint(path: str) -> str:
     return h.hexdigest()
 
 
-def prepare_key(cfg: PrepareConfig) -> str:
+def prepare_key(cfg: PrepareConfig, verifier_path: str | None = None) -> str:
     """sha256 naming everything the shards depend on: the input's bytes, the verifier, the settings."""
     fields = cfg.model_dump(exclude={"name", "output_dir", "log_shards", "regenerate_concurrency",
-                                     "capture_endpoint", "trust_remote_code"})
+                                     "capture_endpoint", "trust_remote_code", "disk_check"})
     fields.update(conversations=source_digest(cfg.conversations),
-                  verifier=verifier_fingerprint(resolve_verifier(cfg.verifier)),
+                  verifier=verifier_fingerprint(verifier_path or resolve_verifier(cfg.verifier)),
                   format_version=shards.FORMAT_VERSION)
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key: str | None = None) -> dict:
+def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key: str | None = None,
+               inputs: Inputs | None = None) -> dict:
     """Write shards, token frequencies and the manifest into ``out_dir``; returns the manifest. Finished
-    shards already in ``out_dir`` for the same inputs and settings are kept and the capture resumes after them."""
-    samples, categories, skipped = _select_samples(cfg)
+    shards already in ``out_dir`` for the same inputs and settings are kept and the capture resumes after them.
+    ``inputs``: what :func:`~draftline.data.inputs.read_inputs` read (read here when not given)."""
+    inputs = inputs or read_inputs(cfg)
+    samples, categories, skipped = inputs.samples, inputs.categories, inputs.skipped
     prompts = sum(map(is_prompt, samples))
     regenerated = _regenerate(cfg, cfg.regenerate_endpoint, samples, progress) if cfg.regenerate_endpoint else None
     if regenerated:
         samples = regenerated.pop("samples")
         regenerated["prompts"] = prompts  # samples that came without an assistant turn
 
-    verifier_path = resolve_verifier(cfg.verifier)
+    verifier_path = inputs.verifier_path
     tokenized = _tokenize(cfg, verifier_path, samples, regenerated)
     config = verifier_config(verifier_path)
     aux = resolve_aux_layers(cfg.aux_layers, config.num_hidden_layers)
     writer = _shard_writer(cfg, out_dir, key, tokenized, config.vocab_size)
+    if cfg.disk_check:  # the exact token count now, before the capture starts
+        left = sum(len(t.input_ids) for t in tokenized) - writer.done_tokens
+        storage.require_room(out_dir, storage.shard_bytes(config.hidden_size, len(aux), tokens=left,
+                                                          samples=len(tokenized) - writer.done_samples,
+                                                          tokens_source="counted from the tokenised samples"))
     _capture(cfg, writer, verifier_path, config, tokenized, aux, progress)
     save_file({"freqs": writer.freqs}, str(out_dir / shards.FREQS))
     manifest = _manifest(cfg, out_dir, verifier_path, config, aux, writer.entries, skipped=skipped,
                          categories=categories, regenerated=regenerated)
     return shards.write_manifest(out_dir, manifest)
-
-
-def _select_samples(cfg: PrepareConfig) -> tuple[list[dict], dict[str, int], int]:
-    """``(samples, samples per category, records skipped)``: the conversations read (bad records skipped where
-    allowed, each logged), of the chosen categories, at most ``max_samples``."""
-    convs = load_conversations(cfg.conversations, prompts=bool(cfg.regenerate_endpoint),
-                               skip_bad=cfg.skip_bad_records)
-    for where, why in convs.skipped[:20]:
-        log.warning("skipped record %s of %s: %s", where, cfg.conversations, why)
-    samples = select_categories(convs.samples, cfg.categories, cfg.conversations)
-    samples = samples[: cfg.max_samples] if cfg.max_samples else samples
-    categories = dict(sorted(Counter(s["category"] for s in samples if "category" in s).items()))
-    return samples, categories, len(convs.skipped)
 
 
 def _tokenize(cfg: PrepareConfig, verifier_path: str, samples: list[dict],
@@ -153,7 +128,7 @@ def _shard_writer(cfg: PrepareConfig, out_dir: Path, key: str | None, tokenized:
     for t in tokenized:  # streamed: one sample at a time, not one string of every token id
         samples_digest.update(json.dumps((t.id, t.input_ids, t.loss_mask)).encode() + b"\n")
     writer_key = hashlib.sha256(f"{key or prepare_key(cfg)}:{samples_digest.hexdigest()}".encode()).hexdigest()
-    writer = shards.ShardWriter(out_dir, writer_key, cfg.shard_tokens, vocab)
+    writer = shards.ShardWriter(out_dir, writer_key, cfg.shard_tokens, vocab, check_room=cfg.disk_check)
     if writer.done_samples:
         log.warning("resuming the hidden-state capture in %s after %d finished shards (%d samples)",
                     out_dir, len(writer.entries), writer.done_samples)
@@ -248,16 +223,7 @@ def verifier_config(path: str):
     one :class:`DataError` naming the file and the fix, never a loader's traceback; a directory that ships its
     model or tokenizer as code is refused unless trusted (:mod:`draftline.serving.hf_model`)."""
     d = Path(path)
-    try:
-        json.loads((d / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else \
-            f" ({e})"
-        raise DataError(f"verifier {d}: config.json is not valid JSON{where}; restore the model's config.json "
-                        "(a truncated copy?)") from None
-    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")):
-        raise DataError(f"verifier {d} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json): "
-                        "copy the model's tokenizer files into it")
+    check_verifier_files(path)
     try:
         config = hf_model.load_config(path)  # refuses custom code not trusted, in one line, before it runs
     except (OSError, ValueError, KeyError) as e:
@@ -266,19 +232,18 @@ def verifier_config(path: str):
     return hf_model.text_config(config)
 
 
-def preflight(cfg: PrepareConfig) -> None:
+def preflight(cfg: PrepareConfig, inputs: Inputs) -> storage.StoragePlan | None:
     """Every check prepare can make before it opens a run or creates a folder: the input (encoding, format,
     records, ids, categories), the verifier's files, the aux layers, the capture backend and the regeneration
-    endpoint. A mistake here leaves no run, no folder and no file."""
-    convs = load_conversations(cfg.conversations, prompts=bool(cfg.regenerate_endpoint),
-                               skip_bad=cfg.skip_bad_records)
-    select_categories(convs.samples, cfg.categories, cfg.conversations)
+    endpoint. A mistake here leaves no run, no folder and no file. Returns the shards' storage plan (None with
+    ``--disk-check false``), for :func:`check_room` once the output folder is known."""
+    verifier = inputs.verifier_path
     if cfg.trust_remote_code:
-        hf_model.allow_custom_code(resolve_verifier(cfg.verifier))
-    config = verifier_config(resolve_verifier(cfg.verifier))
+        hf_model.allow_custom_code(verifier)
+    config = verifier_config(verifier)
     aux = resolve_aux_layers(cfg.aux_layers, config.num_hidden_layers)
     if cfg.capture_backend == "vllm" and not cfg.capture_endpoint:  # the loopback capture server needs vLLM
-        require_served(resolve_verifier(cfg.verifier), vllm_python(required=True),
+        require_served(verifier, vllm_python(required=True),
                        fix="capture with --capture-backend transformers, or choose a verifier vLLM serves")
     if cfg.capture_endpoint:
         probe_capture(cfg.capture_endpoint, cfg.capture_model or cfg.verifier, num_aux=len(aux),
@@ -289,21 +254,50 @@ def preflight(cfg: PrepareConfig) -> None:
             raise DataError(f"the regeneration endpoint {redact(cfg.regenerate_endpoint)} does not serve "
                             f"{cfg.regenerate_model}: pass --regenerate-model with one of {', '.join(models)}")
         probe(cfg.regenerate_endpoint, cfg.regenerate_model or models[0])
+    return storage_plan(cfg, inputs, config, aux) if cfg.disk_check else None
 
 
-def run(cfg: PrepareConfig, *, progress: bool = True) -> dict[str, str]:
-    """The prepare stage as one MLflow run. Returns ``{"run_id", "data_uri", "digest"}``."""
-    preflight(cfg)  # before the tracking store, the run and the folder exist
+def check_room(plan: storage.StoragePlan | None, out: Path) -> None:
+    """Say what the shards will take and refuse when ``out``'s file system cannot hold them (finished shards of
+    an interrupted run already there count as written)."""
+    if plan is None:
+        return
+    say(f"shards: about {human_bytes(plan.bytes)} ({plan.tokens:,} tokens x {plan.bytes_per_token:,} bytes, "
+        f"{plan.tokens_source}) into {out}")
+    storage.require_room(out, plan, kept_bytes=storage.existing_shard_bytes(out))
+
+
+def storage_plan(cfg: PrepareConfig, inputs: Inputs, config, aux: list[int]) -> storage.StoragePlan:
+    """The shards' bytes for the samples, their tokens counted from the text with the verifier's tokenizer."""
+    regen = cfg.regenerate_max_tokens if cfg.regenerate_endpoint else None
+    samples = inputs.samples
+    tokens = storage.estimate_tokens(samples, hf_model.load_tokenizer(inputs.verifier_path), cfg.max_length, regen)
+    source = ("measured from the conversations' text" if regen is None else
+              f"measured from the prompts, each answer counted as --regenerate-max-tokens {regen}: an upper bound")
+    return storage.shard_bytes(config.hidden_size, len(aux), tokens=tokens, samples=len(samples),
+                               tokens_source=source)
+
+
+def output_dir(cfg: PrepareConfig, key: str) -> Path:
+    return Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else work_dir() / "prepared" / key[:16]
+
+
+def run(cfg: PrepareConfig, *, progress: bool = True, inputs: Inputs | None = None) -> dict[str, str]:
+    """The prepare stage as one MLflow run. Returns ``{"run_id", "data_uri", "digest"}``. ``inputs``: what
+    :func:`~draftline.data.inputs.read_inputs` read already (the CLI reads them before this module loads)."""
+    inputs = inputs or read_inputs(cfg)
+    room = preflight(cfg, inputs)  # before the tracking store, the run and the folder exist
+    key = prepare_key(cfg, inputs.verifier_path)
+    out = output_dir(cfg, key)
+    check_room(room, out)
     tracking.setup()
-    key = prepare_key(cfg)
-    out = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else work_dir() / "prepared" / key[:16]
     stopped = lambda name: (f"prepare stopped by {name}; the answers and shards finished so far are kept in "  # noqa: E731
                             f"{out}: resume with {same_command()}")
     with interrupt_on_signals(stopped), shards.exclusive(out), \
             tracking.stage_run("prepare", run_name="prepare", run_id=_unfinished_run(key),
                                tags={"draftline.prepare.key": key}) as active:
         run_id = active.info.run_id
-        manifest = build_data(cfg, out, progress=progress, key=key)
+        manifest = build_data(cfg, out, progress=progress, key=key, inputs=inputs)
         tracking.log_params_once({
             **lineage.verifier_params(manifest),
             "data.source": manifest["source"],

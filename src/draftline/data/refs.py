@@ -10,14 +10,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import mlflow
-
+from draftline import tracking
 from draftline.config import work_dir
-from draftline.data.shards import MANIFEST
+from draftline.data.inputs import MANIFEST, REMOTE_PREFIXES, check_data_ref
 from draftline.errors import DataError
 from draftline.tracking import download, parse_run_ref
-
-REMOTE_PREFIXES = ("runs:/", "models:/", "mlflow-artifacts:/")
 
 
 def data_cache(ref: str) -> Path:
@@ -29,10 +26,8 @@ def resolve_data(ref: str, dest: Path | None = None) -> Path:
     """A local prepared-data directory, or ``ref`` downloaded into ``dest`` (default :func:`data_cache`), once;
     concurrent callers each download into a scratch folder and the first to finish wins."""
     if not ref.startswith(REMOTE_PREFIXES):
-        p = Path(ref).expanduser()
-        if not p.is_dir():
-            raise DataError(f"data {ref} is neither a directory nor a runs:/ URI: pass the output of prepare")
-        return p.resolve()
+        check_data_ref(ref)
+        return Path(ref).expanduser().resolve()
     dest = dest or data_cache(ref)
     if (dest / MANIFEST).is_file():
         return dest
@@ -57,7 +52,7 @@ def _require_finished(ref: str) -> None:
 
     run_id = parse_run_ref(ref)[0]
     try:
-        run = mlflow.MlflowClient().get_run(run_id)
+        run = tracking.client().get_run(run_id)
     except Exception:  # noqa: BLE001 (the download below names a missing run)
         return
     if run.info.status != "FINISHED":

@@ -18,12 +18,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from draftline.data.inputs import MANIFEST, read_manifest
 from draftline.data.verify import verify_all
+from draftline.disk_space import require_free, room_for
 from draftline.errors import DataError
 from draftline.util import atomic_write_text, file_sha256
 from draftline.util import exclusive as lock
 
-MANIFEST = "manifest.json"
 FREQS = "token_freqs.safetensors"
 FORMAT_VERSION = 1
 
@@ -65,8 +66,9 @@ class ShardWriter:
     same batch as an uninterrupted one and writes the same bytes.
     """
 
-    def __init__(self, out_dir: Path, key: str, shard_tokens: int, vocab_size: int):
+    def __init__(self, out_dir: Path, key: str, shard_tokens: int, vocab_size: int, *, check_room: bool = True):
         self.out_dir, self.key, self.shard_tokens = Path(out_dir), key, shard_tokens
+        self.check_room = check_room
         self.freqs = torch.zeros(vocab_size, dtype=torch.long)
         self.entries: list[dict] = []
         self.pending: list[dict[str, torch.Tensor]] = []
@@ -110,7 +112,18 @@ class ShardWriter:
 
     def boundary(self, final: bool = False) -> None:
         if self.pending and (final or self.pending_tokens >= self.shard_tokens):
-            entry = write_shard(self.out_dir / f"shard-{len(self.entries):05d}.safetensors", self.pending)
+            path = self.out_dir / f"shard-{len(self.entries):05d}.safetensors"
+            kept = (f"{len(self.entries)} finished shards are kept in {self.out_dir}; free space there and run the "
+                    "same prepare again: it resumes after them")
+            if self.check_room:  # a disk that filled since the run began stops it before a shard, not inside one
+                need = sum(t.numel() * t.element_size() for r in self.pending for t in r.values())
+                require_free(self.out_dir, int(need * 1.05) + (1 << 20), what=f"the next shard ({path.name})",
+                             fix=kept)
+            try:
+                with room_for(self.out_dir, space_fix=kept, size_fix=kept):
+                    entry = write_shard(path, self.pending)
+            finally:
+                path.with_suffix(".tmp").unlink(missing_ok=True)  # a shard cut short by a full disk
             self.entries.append(entry)
             self.pending, self.pending_tokens = [], 0
             atomic_write_text(self.out_dir / PROGRESS, json.dumps({"key": self.key, "shards": self.entries},
@@ -128,17 +141,6 @@ def write_manifest(out_dir: Path, manifest: dict) -> dict:
     manifest = {**manifest, "digest": data_digest(manifest)}
     atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
-
-
-def read_manifest(data_dir: Path) -> dict:
-    path = Path(data_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(f"{data_dir} has no {MANIFEST}: pass the output of `draftline prepare` "
-                        "(runs:/<prepare run id>/data or its local directory)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON ({e}); prepare the data again") from None
 
 
 @dataclass

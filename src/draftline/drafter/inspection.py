@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlflow import MlflowClient
-
 from draftline import tracking
 from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
 from draftline.drafter.handoff import WEIGHTS
@@ -53,7 +51,7 @@ def _config_from_metadata(meta: dict) -> dict:
 
 
 def _remote(target: str) -> dict:
-    client = MlflowClient()
+    client = tracking.client()
     if target.startswith("models:/"):
         name, mv = resolve_version(client, target)
         where = ArtifactDir(client.get_model_version_download_uri(name, mv.version))

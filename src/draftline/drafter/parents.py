@@ -29,9 +29,9 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from mlflow import MlflowClient
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from draftline import tracking
 from draftline.config import project_root, shipped
 from draftline.console import say
 from draftline.errors import ConfigError, ParentNotFound
@@ -167,10 +167,10 @@ def _download(init: str, repo_id: str, revision: str, *, catalog_entry: bool) ->
 
 
 def _from_registry(uri: str, cache: Path) -> Parent:
-    name, version = resolve_version(MlflowClient(), uri)
+    name, version = resolve_version(tracking.client(), uri)
 
     dest = cache / "registry" / name / str(version.version)
-    client = MlflowClient()
+    client = tracking.client()
     # verified on every use: the files come from the content-addressed cache when they are there already
     fetch_directory(client.get_model_version_download_uri(name, version.version), dest, cache=BlobCache())
     return Parent(init=uri, name=name, source=f"models:/{name}/{version.version}", revision=str(version.version),

@@ -60,6 +60,7 @@ class ChainResult:
     output_tops: list[list[dict]] = field(default_factory=list, repr=False)  # per token {id: logprob}, top 5
     per_prompt: list[dict] = field(default_factory=list, repr=False)  # evidence per prompt (prompt_row)
     speeds: list = field(default_factory=list, repr=False)  # speed with and without the drafter (speed.Speed)
+    sweep: dict = field(default_factory=dict, repr=False)  # k -> its speeds (--sweep-k)
 
     @property
     def acceptance_length(self) -> float:

@@ -18,6 +18,7 @@ buys (:mod:`draftline.evaluation.speed`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import tempfile
 from pathlib import Path
@@ -41,11 +42,14 @@ def save_for_vllm(drafter, verifier_dir: str | Path, out: Path) -> Path:
 
 def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k: int, max_new_tokens: int,
                      concurrency: int, progress: bool, check_lossless: bool = True,
-                     speed_at: list[int] | None = None, confidence: float = 0.95) -> ChainResult:
+                     speed_at: list[int] | None = None, sweep: list[int] | None = None,
+                     confidence: float = 0.95) -> ChainResult:
     """The drafted server, then the plain one: side by side on a CPU host (the speed compared wave by wave,
     alternating), one after the other where a GPU is there (a verifier that fills the node leaves no room for
-    a second server: each side's waves are decoded while it is up, and paired afterwards)."""
-    max_len = max(len(p) for p in prompts) + max_new_tokens + k + 8
+    a second server: each side's waves are decoded while it is up, and paired afterwards). ``sweep``: the speed
+    also at each of these k, a drafted server per k (``result.sweep``)."""
+    others = [x for x in (sweep or []) if x != k] if speed_at else []
+    max_len = max(len(p) for p in prompts) + max_new_tokens + max([k, *others]) + 8
     together = not torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="draftline-evaluate-vllm-") as tmp, contextlib.ExitStack() as stack:
         directory = save_for_vllm(drafter, verifier_dir, Path(tmp) / "drafter")
@@ -60,12 +64,17 @@ def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k:
             f"({result.generated_tokens / max(result.seconds, 1e-9):.0f} tokens/s)")
         if not check_lossless and not speed_at:
             return result
-        drafted_side = None
+        sides: dict[int, dict] = {}  # k -> its drafted side's waves, where the two servers cannot run together
+        swept: dict[int, list] = {}  # k -> its speeds
         if not together:  # the GPU node holds one verifier at a time
             if speed_at:
-                drafted_side = decode_side((server.endpoint, server.model), prompts, max_new_tokens=max_new_tokens,
-                                           concurrencies=speed_at, progress=progress)
+                sides[k] = decode_side((server.endpoint, server.model), prompts, max_new_tokens=max_new_tokens,
+                                       concurrencies=speed_at, progress=progress)
             server.stop()
+            for other in others:
+                with _drafted(spec, other) as extra:
+                    sides[other] = decode_side((extra.endpoint, extra.model), prompts, max_new_tokens=max_new_tokens,
+                                               concurrencies=speed_at or [], progress=progress)
         say("plain vLLM (no drafter)" + (" beside it" if together else "") + ", for the lossless check"
             + (" and the speed-up" if speed_at else "") + " ...")
         plain = stack.enter_context(VllmServer(ServeSpec(model=verifier_dir, max_model_len=max_len)))
@@ -74,16 +83,30 @@ def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k:
                                           max_new_tokens=max_new_tokens, concurrencies=speed_at, level=confidence,
                                           progress=progress)
             server.check_alive()
-        elif drafted_side is not None:
+            server.stop()  # its figures are in; the plain server stays up for any other k swept
+            swept = {k: result.speeds}
+            for other in others:
+                with _drafted(spec, other) as extra:
+                    swept[other] = measure_speed((extra.endpoint, extra.model), (plain.endpoint, plain.model),
+                                                 prompts, max_new_tokens=max_new_tokens, concurrencies=speed_at,
+                                                 level=confidence, progress=progress)
+        elif sides:
             plain_side = decode_side((plain.endpoint, plain.model), prompts, max_new_tokens=max_new_tokens,
                                      concurrencies=speed_at or [], progress=progress)
-            result.speeds = pair(drafted_side, plain_side, confidence)
-            for s in result.speeds:
-                s.alternated = False
+            paired = {kk: pair(side, plain_side, confidence) for kk, side in sides.items()}
+            for speed in (sp for speeds in paired.values() for sp in speeds):
+                speed.alternated = False
+            result.speeds, swept = paired[k], paired
+        result.sweep = swept if sweep else {}  # a sweep of k alone still says it was measured
         if check_lossless:
             result = _lossless(result, plain, prompts, max_new_tokens, concurrency, progress)
         plain.check_alive()
     return result
+
+
+def _drafted(spec: ServeSpec, k: int) -> VllmServer:
+    say(f"starting vLLM with the drafter at k={k}, for the speed sweep ...")
+    return VllmServer(dataclasses.replace(spec, k=k))
 
 
 def _lossless(result: ChainResult, plain, prompts, max_new_tokens: int, concurrency: int,
@@ -96,7 +119,7 @@ def _lossless(result: ChainResult, plain, prompts, max_new_tokens: int, concurre
     if tops is not None:  # bf16: how far plain decoding strays from itself one request at a time
         allowed = _self_noise(plain, prompts, reference, tops, max_new_tokens=max_new_tokens, progress=progress)
     checked = lossless_against(result, reference, reference_tops=tops, allowed=allowed)
-    checked.speeds = result.speeds
+    checked.speeds, checked.sweep = result.speeds, result.sweep
     return checked
 
 

@@ -27,26 +27,12 @@ import httpx
 from tqdm import tqdm
 
 from draftline.console import bar_kwargs
-from draftline.errors import ConfigError
 from draftline.registry.confidence import Interval, throughput_ratio
 from draftline.registry.evidence import SPEED
 from draftline.serving.client import auth_headers, complete
 
 PREFIX = SPEED
-
-
-def parse_concurrencies(text: str | None) -> list[int]:
-    """``"1,8"`` -> ``[1, 8]``; ``off`` (or empty) -> ``[]``. Raises :class:`ConfigError`."""
-    if text is None or str(text).strip().lower() in ("", "off", "none", "0"):
-        return []
-    try:
-        values = sorted({int(x) for x in str(text).split(",") if x.strip()})
-    except ValueError:
-        raise ConfigError(f"speed concurrency {text!r}: give comma-separated request counts, e.g. 1,8 (or off)") \
-            from None
-    if not values or values[0] < 1:
-        raise ConfigError(f"speed concurrency {text!r}: each value must be at least 1 (e.g. 1,8), or off")
-    return values
+SWEEP = "eval/sweep"
 
 
 @dataclass
@@ -169,3 +155,38 @@ def speed_summary(speeds: list[Speed]) -> dict[str, list[float]]:
     """For the command's JSON: ``{"c1": [speed-up, low, high], ...}``."""
     return {f"c{s.concurrency}": [round(s.speedup.value, 4), round(s.speedup.low, 4), round(s.speedup.high, 4)]
             for s in speeds}
+
+
+def _at(speeds: list[Speed], c: int) -> Speed:
+    return next(s for s in speeds if s.concurrency == c)
+
+
+def fastest_k(sweep: dict[int, list[Speed]], c: int | None = None) -> int:
+    """The num_speculative_tokens with the highest speed-up at concurrency ``c`` (default: the lowest swept; one
+    request in flight is where a drafter has the most to give, and where a team feels it as latency)."""
+    c = c or lowest(sweep)
+    return max(sorted(sweep), key=lambda k: _at(sweep[k], c).speedup.value)
+
+
+def lowest(sweep: dict[int, list[Speed]]) -> int:
+    return min(s.concurrency for speeds in sweep.values() for s in speeds)
+
+
+def sweep_metrics(sweep: dict[int, list[Speed]]) -> dict[str, float]:
+    """``eval/sweep/k<k>/c<c>/{speedup,speedup_low,speedup_high,drafted_tokens_per_s}`` and, per concurrency,
+    ``eval/sweep/c<c>/fastest_k``."""
+    out: dict[str, float] = {}
+    for k, speeds in sorted(sweep.items()):
+        for s in speeds:
+            p = f"{SWEEP}/k{k}/c{s.concurrency}"
+            out.update({f"{p}/speedup": s.speedup.value, f"{p}/speedup_low": s.speedup.low,
+                        f"{p}/speedup_high": s.speedup.high, f"{p}/drafted_tokens_per_s": s.drafted.tokens_per_s})
+    for s in next(iter(sweep.values())):
+        out[f"{SWEEP}/c{s.concurrency}/fastest_k"] = float(fastest_k(sweep, s.concurrency))
+    return out
+
+
+def sweep_text(sweep: dict[int, list[Speed]]) -> str:
+    """``k=1 x0.71 [0.62, 0.80], k=2 ... at concurrency 1``: the lowest concurrency swept."""
+    c = lowest(sweep)
+    return ", ".join(f"k={k} x{_at(sweep[k], c).speedup.text()}" for k in sorted(sweep)) + f" at concurrency {c}"

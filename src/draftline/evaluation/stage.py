@@ -32,7 +32,15 @@ from draftline.drafter.served import is_mla_drafter
 from draftline.errors import DataError, UsageError
 from draftline.evaluation.chain import measure_chain, recommend_num_speculative_tokens
 from draftline.evaluation.loopback import measure_loopback
-from draftline.evaluation.speed import measure_speed, parse_concurrencies, speed_metrics, speed_summary
+from draftline.evaluation.speed import (
+    fastest_k,
+    lowest,
+    measure_speed,
+    speed_metrics,
+    speed_summary,
+    sweep_metrics,
+    sweep_text,
+)
 from draftline.evaluation.targets import load_drafter, resolve_target
 from draftline.evaluation.teacher_forced import greedy_replies, measure, prompts_of, served_replies
 from draftline.evaluation.vllm_backend import measure_vllm
@@ -81,6 +89,14 @@ def backend_of(cfg: EvaluateConfig, verifier_dir: str, *, mla_drafter: bool = Fa
     """Where the measured figure comes from: ``vllm-endpoint`` (a server the user runs), ``vllm`` (a loopback
     vLLM this command starts), ``transformers`` (in this process) or ``none``. Checked before the run exists;
     ``mla_drafter``: the drafter has an MLA layer (vLLM serves it beside an MLA verifier on every host)."""
+    backend = _backend(cfg, verifier_dir, mla_drafter)
+    if cfg.sweep and backend != "vllm":
+        raise UsageError(f"--sweep-k starts a drafted vLLM server per k, and evaluate measures on {backend} here: "
+                         "install vLLM (./setup.sh --vllm) and drop --backend transformers, or drop --sweep-k")
+    return backend
+
+
+def _backend(cfg: EvaluateConfig, verifier_dir: str, mla_drafter: bool) -> str:
     if not cfg.measured:
         return "none"
     if cfg.vllm_endpoint:
@@ -115,7 +131,7 @@ def _measure(cfg: EvaluateConfig, backend: str, drafter, verifier_dir: str, reco
     prompts = prompts_of(records)[: cfg.max_prompts]
     if not prompts:
         raise DataError("the evaluation set has no sample with a prompt before its first assistant token")
-    speed_at = parse_concurrencies(cfg.speed_concurrency)
+    speed_at = cfg.speed_at
     if backend == "vllm-endpoint":
         assert cfg.vllm_endpoint is not None  # backend_of chose it for the endpoint
         model = cfg.vllm_model or served_models(cfg.vllm_endpoint)[0]  # the server's first, as --help says
@@ -132,7 +148,8 @@ def _measure(cfg: EvaluateConfig, backend: str, drafter, verifier_dir: str, reco
     if backend == "vllm":
         served = measure_loopback(drafter, verifier_dir, prompts, k=cfg.num_speculative_tokens,
                                   max_new_tokens=cfg.max_new_tokens, concurrency=cfg.concurrency,
-                                  progress=progress, speed_at=speed_at, confidence=cfg.confidence)
+                                  progress=progress, speed_at=speed_at, sweep=cfg.sweep,
+                                  confidence=cfg.confidence)
         cross = _in_process(cfg, drafter, verifier_dir, prompts, progress) if cfg.cross_check else None
         return served, len(prompts), cross
     if speed_at:
@@ -175,12 +192,8 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
 def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     progress = sys.stderr.isatty() if progress is None else progress
     tracking.setup()
-    client = mlflow.MlflowClient()
+    client = tracking.client()
     # every input is checked before the run exists: a typo leaves no failed run behind
-    if cfg.plain_endpoint and not cfg.vllm_endpoint:
-        raise UsageError("--plain-endpoint is the verifier without a drafter, compared with --vllm-endpoint: "
-                         "pass both, or neither (loopback starts its own pair)")
-    parse_concurrencies(cfg.speed_concurrency)
     data = open_prepared(resolve_data(cfg.data), verify=True)
     manifest = data.manifest
     data_name = dataset_name(client, cfg.data)
@@ -231,8 +244,15 @@ def _measured_metrics(cfg: EvaluateConfig, chain, n_prompts: int, cross, backend
         say(f"speed with the drafter: {speed.text()}"
             + ("" if speed.speedup.low > 1.0 else ": it does not pay here (on a GPU deployment it must: "
                "DRAFTLINE_REGISTRY_POLICIES=registry_policies/gpu gates on it)"))
-    recommended = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
-    metrics[evidence.RECOMMENDED_K] = float(recommended)
+    guessed = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
+    metrics[evidence.RECOMMENDED_K] = float(guessed)
+    if chain.sweep:
+        metrics.update(sweep_metrics(chain.sweep))
+        fastest = fastest_k(chain.sweep)
+        metrics[evidence.RECOMMENDED_K] = float(fastest)
+        say(f"num_speculative_tokens: k={fastest} decodes fastest here ({sweep_text(chain.sweep)}); the cost "
+            f"model, at --draft-cost-ratio {cfg.draft_cost_ratio}, would have guessed k={guessed}")
+    metrics[evidence.RECOMMENDED_K_MEASURED] = float(bool(chain.sweep))
     _say_lossless(chain, n_prompts)
     return interval
 
@@ -289,6 +309,11 @@ def _measured_summary(cfg: EvaluateConfig, chain, n_prompts: int, cross, backend
         out["confidence"] = cfg.confidence
     if chain.speeds:
         out["speedup"] = speed_summary(chain.speeds)
+    if chain.sweep:
+        out["sweep"] = {f"k{k}": speed_summary(v) for k, v in sorted(chain.sweep.items())}
+        out["recommended_from"] = f"measured speed at concurrency {lowest(chain.sweep)}"
+    else:
+        out["recommended_from"] = f"cost model (draft cost ratio {cfg.draft_cost_ratio})"
     return out
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from mlflow import MlflowClient
 
+from draftline import tracking
 from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
 from draftline.drafter.handoff import fetch_weights, write_weights
 from draftline.drafter.loading import load_drafter as load
@@ -58,7 +58,7 @@ def _finetune_run(client, ref: str):
 
 def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str) -> Target:
     """Find ``ref`` on local disk (downloading from MLflow where it lives there)."""
-    client = MlflowClient()
+    client = tracking.client()
     run = _finetune_run(client, ref.strip())
     if run is not None:
         dest = cache / "evaluate" / run.info.run_id / checkpoint

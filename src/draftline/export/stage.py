@@ -12,25 +12,24 @@ import tempfile
 from pathlib import Path
 
 import mlflow
-from mlflow import MlflowClient
 
 from draftline import tracking
 from draftline.config import ExportConfig
 from draftline.console import say
+from draftline.disk_space import in_store, in_tmp
 from draftline.drafter.handoff import fetch_weights
 from draftline.drafter.model import LAYER_FILE
 from draftline.drafter.served import is_mla_drafter
 from draftline.errors import DataError, DraftlineError
 from draftline.evaluation.stage import attach, evaluations_for
 from draftline.export.directory import serving_id, write_drafter
-from draftline.export.disk_space import in_store, in_tmp
 from draftline.export.midlayer import check_reload, write_midlayer
 from draftline.export.rebuild import build_trained_model, local_verifier
 from draftline.export.upload import upload_with_checksums
 from draftline.export.validate import check_in_vllm, validate
 from draftline.registry import lineage as lin
 from draftline.registry import versions
-from draftline.registry.evidence import RECOMMENDED_K
+from draftline.registry.evidence import RECOMMENDED_K, RECOMMENDED_K_MEASURED
 from draftline.registry.policies import policy_set
 from draftline.serving import hf_model
 from draftline.util import manifest_digest
@@ -39,7 +38,7 @@ from draftline.util import manifest_digest
 def run(cfg: ExportConfig) -> dict[str, str]:
     """The export stage as one MLflow run. Returns ``{"run_id", "model_uri", "version"}``."""
     tracking.setup()
-    client = MlflowClient()
+    client = tracking.client()
     ft = _finished_finetune(client, cfg.run)
     ft_id, params = ft.info.run_id, ft.data.params
     hf_model.trust_as_recorded(local_verifier(params), params.get("verifier.trust_remote_code"))
@@ -104,6 +103,7 @@ def _set_recommended_k(model, lineage: dict, evaluated: list[dict]) -> int | Non
     model.config.speculators_config.proposal_methods[0].speculative_tokens = found[0]
     lineage["eval.recommended_num_speculative_tokens"] = str(found[0])
     lineage["eval.recommended_num_speculative_tokens.set"] = found[1]
+    lineage["eval.recommended_num_speculative_tokens.from"] = found[2]
     return found[0]
 
 
@@ -170,13 +170,14 @@ def _register(client, cfg: ExportConfig, active, model_id: str, manifest: dict, 
     return str(version.version)
 
 
-def recommended_k(evaluated: list[dict], preferred_set: str | None = None) -> tuple[int, str] | None:
-    """``(num_speculative_tokens, the evaluation set it came from)``: from the measured evaluation on
+def recommended_k(evaluated: list[dict], preferred_set: str | None = None) -> tuple[int, str, str] | None:
+    """``(num_speculative_tokens, the evaluation set it came from, how it was chosen)``: from the measured evaluation on
     ``preferred_set`` (the set the Production policy judges by: a name or a digest prefix) when there is one,
     else from the newest measured evaluation."""
     measured = [r for r in evaluated if RECOMMENDED_K in r["metrics"]]
     on_set = [r for r in measured if preferred_set and (r["data"]["name"] == preferred_set or (
         len(preferred_set) >= 8 and r["data"]["digest"].startswith(preferred_set)))]
     for result in on_set or measured:
-        return int(result["metrics"][RECOMMENDED_K]), result["data"]["name"]
+        how = "measured speed (--sweep-k)" if result["metrics"].get(RECOMMENDED_K_MEASURED) else "cost model"
+        return int(result["metrics"][RECOMMENDED_K]), result["data"]["name"], how
     return None

@@ -8,8 +8,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mlflow import MlflowClient
-
+from draftline import tracking
 from draftline.registry.transfer import CHECKSUMS  # one name for the manifest, in exports and pulls
 from draftline.util import file_manifest
 
@@ -22,7 +21,7 @@ def sha256_manifest(directory: Path) -> dict[str, str]:
 def upload_with_checksums(out: Path, model_id: str) -> dict[str, str]:
     """Upload ``out`` as the LoggedModel's artifacts, then its ``checksums.json``; the digests are computed on
     a second thread while MLflow uploads the files (both read them from the page cache)."""
-    client = MlflowClient()
+    client = tracking.client()
     with ThreadPoolExecutor(1, thread_name_prefix="draftline-sha256") as pool:
         digests = pool.submit(sha256_manifest, out)
         client.log_model_artifacts(model_id, str(out))

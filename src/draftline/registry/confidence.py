@@ -19,6 +19,8 @@ from pathlib import Path
 
 import mlflow
 
+from draftline import tracking
+
 PER_PROMPT_FILE = "per_prompt.jsonl"
 DEFAULT_RESAMPLES = 2000
 
@@ -122,7 +124,7 @@ def carry_per_prompt(evaluation_run_id: str, digest: str) -> None:
     version's LoggedModel, whose metrics then name the export run)."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            path = mlflow.MlflowClient().download_artifacts(evaluation_run_id, PER_PROMPT_FILE, tmp)
+            path = tracking.client().download_artifacts(evaluation_run_id, PER_PROMPT_FILE, tmp)
         except Exception:  # noqa: BLE001 (an evaluation from before per-prompt evidence)
             return
         mlflow.log_artifact(path, artifact_path=str(Path(carried_path(digest)).parent))

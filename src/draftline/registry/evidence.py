@@ -20,6 +20,7 @@ PREDICTED = "eval/predicted/acceptance_length"  # the walk over the served repli
 HEADLINE = "eval/acceptance_length"
 LOSSLESS = "eval/measured/lossless"
 RECOMMENDED_K = "eval/recommended_num_speculative_tokens"
+RECOMMENDED_K_MEASURED = "eval/recommended_num_speculative_tokens_measured"  # 1: from --sweep-k speed, 0: cost model
 SPEED = "eval/speed"  # eval/speed/c<concurrency>/{speedup,speedup_low,...}: evaluation/speed.py
 MEASURED_LOW = "eval/measured/acceptance_length_low"
 MEASURED_HIGH = "eval/measured/acceptance_length_high"

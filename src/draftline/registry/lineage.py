@@ -205,10 +205,11 @@ def parent_model_id(client, parent, *, sha256: str, layout: str, experiment_id: 
 
 def record_inputs(run_id: str, *, manifest: dict, data_name: str, parent_model: str | None) -> None:
     """The finetune run's inputs: the data set it trained on and the parent model it started from."""
-    from mlflow import MlflowClient  # noqa: PLC0415 (CLI start-up: serving.verifiers imports lineage; mlflow stays lazy)
     from mlflow.entities import DatasetInput, InputTag, LoggedModelInput  # noqa: PLC0415 (CLI start-up: serving.verifiers imports lineage; mlflow stays lazy)
+
+    from draftline import tracking  # noqa: PLC0415 (CLI start-up: serving.verifiers imports lineage; mlflow stays lazy)
 
     entity = data_set(manifest, data_name)._to_mlflow_entity()  # noqa: SLF001 (what mlflow.log_input does)
     tags = [InputTag("mlflow.data.context", "training"), *(InputTag(k, v) for k, v in data_set_tags(manifest).items())]
-    MlflowClient().log_inputs(run_id, datasets=[DatasetInput(entity, tags)],
+    tracking.client().log_inputs(run_id, datasets=[DatasetInput(entity, tags)],
                               models=[LoggedModelInput(parent_model)] if parent_model else None)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import mlflow
-from mlflow import MlflowClient
 
+from draftline import tracking
 from draftline.console import say
 
 
@@ -20,7 +20,7 @@ def log_accuracy_chart(run_id: str, ttt_steps: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415 (optional: matplotlib)
 
-    metrics = MlflowClient().get_run(run_id).data.metrics
+    metrics = tracking.client().get_run(run_id).data.metrics
     split = "val" if "val/full_acc_0" in metrics else "train"
     ks = list(range(ttt_steps))
     fig, ax = plt.subplots(figsize=(5, 3.2))

@@ -6,19 +6,18 @@ parent's layout, hash, vocabulary and aux layers are checked here, before any ra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
 
 import mlflow
 import torch
-from mlflow import MlflowClient
 from safetensors.torch import save_file
 
 from draftline import tracking
-from draftline.config import FinetuneConfig, shipped, work_dir
+from draftline.config import FinetuneConfig, work_dir
 from draftline.console import say
 from draftline.data.refs import dataset_name, resolve_data
 from draftline.data.shards import PreparedData, open_prepared
@@ -28,37 +27,25 @@ from draftline.drafter.model import LAYER_FILE, PAIRING
 from draftline.drafter.parents import Parent, resolve_init
 from draftline.drafter.shape import key_remap, layer_config, layer_kind, verifier_config
 from draftline.drafter.vocab import build_vocab, plan_remap
-from draftline.errors import CheckpointError, ConfigError, DataError
+from draftline.errors import CheckpointError, DataError
 from draftline.registry import lineage
 from draftline.serving import hf_model
 from draftline.tracking import log_params_once, tracking_uri
+from draftline.train import job, precision, preflight
 from draftline.train import plan as planning
-from draftline.train import precision, preflight
 from draftline.train.charts import log_accuracy_chart
+from draftline.train.inputs import check_visible, ds_config_path, job_place, read_ds_config_file
 from draftline.train.launcher import gpu_memory_gib, hostfile_shape, launch, resolve_ranks
+from draftline.train.nodes import Place
 from draftline.train.signals import stop_on_signals
 from draftline.train.spec import WorkerSpec
 from draftline.util import files_digest
 
 
-def ds_config_path(cfg: FinetuneConfig) -> Path:
-    """The DeepSpeed config file a finetune starts from: ``--ds-config``, or the shipped one for its stage."""
-    return Path(cfg.ds_config) if cfg.ds_config else shipped("configs", f"zero{max(cfg.zero_stage, 1)}.json")
-
-
 def ds_config(cfg: FinetuneConfig) -> dict:
     """The DeepSpeed config the ranks run: the file with finetune's settings filled in (checked as a whole by
     DeepSpeed's own config class in ``preflight.check_ds_config``)."""
-    path = ds_config_path(cfg)
-    try:
-        conf = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"DeepSpeed config {path} is unreadable ({e}); pass ds_config=<a JSON file>") from None
-    bad = next((k for k in ("zero_optimization", "optimizer") if not isinstance(conf.get(k, {}), dict)), None) \
-        if isinstance(conf, dict) else "the file"
-    if bad or not isinstance((conf.get("optimizer") or {}).get("params", {}), dict):
-        raise ConfigError(f"DeepSpeed config {path}: {bad or 'optimizer.params'} must be a JSON object (see "
-                          "configs/zero2.json); pass ds_config=<a DeepSpeed JSON config>")
+    conf = read_ds_config_file(ds_config_path(cfg))
     conf = {k: v for k, v in conf.items() if not k.startswith("_")}
     conf["zero_optimization"] = {**conf.get("zero_optimization", {}), "stage": cfg.zero_stage}
     conf["bf16"] = {"enabled": cfg.precision == "bf16"}
@@ -132,11 +119,11 @@ def choose_vocab(cfg: FinetuneConfig, files, data, verifier_vocab: int) -> tuple
 
 
 def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, draft_vocab_size: int,
-                aux_layer_ids: list[int], run_id: str, layer: dict | None = None) -> None:
+                aux_layer_ids: list[int], run_id: str, layer: dict | None = None, nodes: int = 1) -> None:
     """Plan the run about to launch (``draftline plan``'s estimate), print one line to stderr, log ``plan.json``
     and the param ``plan.fits`` (true | false | unchecked, without a GPU | error). Never stops the launch."""
     try:
-        gpus, nodes = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, 1)
+        gpus, nodes = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, nodes)
         config = verifier_config(verifier, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
                                  layer=layer)
         plan = planning.make_plan(config, gpus=gpus, nodes=nodes,
@@ -166,7 +153,7 @@ def check_resumable(run_id: str) -> None:
     """``--resume RUN_ID`` names a finetune run on this tracking server, trained in vLLM's pairing (a run
     started before draftline trained in that pairing cannot be continued in it)."""
     try:
-        run = MlflowClient().get_run(run_id)
+        run = tracking.client().get_run(run_id)
     except Exception:  # noqa: BLE001
         raise DataError(f"--resume {run_id}: no such run on {tracking_uri()}; pass the run_id finetune "
                         "printed") from None
@@ -181,16 +168,35 @@ def check_resumable(run_id: str) -> None:
 
 def resumed_precision(run_id: str) -> precision.Choice:
     """The precision a run's checkpoints were written in, and why (its ``train.precision*`` params)."""
-    params = MlflowClient().get_run(run_id).data.params
+    params = tracking.client().get_run(run_id).data.params
     return precision.Choice(params.get("train.precision", "auto"),
                             params.get("train.precision_choice", "the resumed run's own precision"))
 
 
 def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]:
     """The finetune stage as one MLflow run; ``resume_run`` continues a run from its last checkpoint."""
-    tracking.setup()
+    check_visible(cfg)
+    place = job_place(cfg)
     ranks, on_cpu = resolve_ranks(cfg.gpus)
-    inputs = _resolve_inputs(cfg, resume_run, ranks=ranks, on_cpu=on_cpu)  # before the run exists
+    if place.multi and not place.leader:
+        return job.follow(cfg, place, resume_run=resume_run, ranks=ranks, on_cpu=on_cpu)
+    leader = job.Leader(place, cfg.rendezvous_timeout) if place.multi else None
+    try:
+        return _lead(cfg, resume_run, place=place, ranks=ranks, on_cpu=on_cpu, leader=leader)
+    finally:
+        if leader:
+            leader.close()
+
+
+def _lead(cfg: FinetuneConfig, resume_run: str | None, *, place: Place, ranks: int, on_cpu: bool,
+          leader: job.Leader | None) -> dict[str, str]:
+    """Node 0 (or the only node): gather the job, resolve, open the run, launch, log."""
+    telling = leader.telling() if leader else contextlib.nullcontext()
+    with telling:
+        if leader:
+            leader.gather(job.settings_of(cfg, place, resume_run, ranks))  # before the run exists
+        tracking.setup()
+        inputs = _resolve_inputs(cfg, resume_run, ranks=ranks, on_cpu=on_cpu, nodes=place.nnodes)
     cfg, parent, manifest, layer = inputs.cfg, inputs.parent, inputs.data.manifest, inputs.layer
 
     with stop_on_signals(), tracking.stage_run("finetune", run_name=f"finetune from {parent.name}",
@@ -215,8 +221,13 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
         spec = _worker_spec(inputs, run_id=run_id, work=work, ckpt_dir=ckpt_dir, vocab_file=vocab_file)
         (ckpt_dir / LAYER_FILE).write_text(json.dumps(layer, indent=2, sort_keys=True) + "\n")  # export reads it
         record_plan(cfg, ranks, on_cpu, manifest["verifier"], inputs.counts["draft_size"], manifest["aux_layer_ids"],
-                    run_id, layer)  # prints one line, logs plan.json and plan.fits
-        launch(spec, work / "worker_spec.json", ranks=ranks, on_cpu=on_cpu, hostfile=cfg.hostfile)
+                    run_id, layer, nodes=place.nnodes)  # prints one line, logs plan.json and plan.fits
+        if leader:
+            with leader.telling():
+                leader.go(spec, data_digest=manifest["digest"],
+                          eval_digest=inputs.eval_data.manifest["digest"] if inputs.eval_data else None)
+        launch(spec, work / "worker_spec.json", ranks=ranks, on_cpu=on_cpu, hostfile=cfg.hostfile,
+               node=leader.node if leader else None)
 
         selected = _log_results(inputs, params, run_id=run_id, work=work, ckpt_dir=ckpt_dir)
     return {"run_id": run_id, "weights_uri": f"runs:/{run_id}/{handoff.WEIGHTS}",
@@ -241,9 +252,11 @@ class _Inputs:
     chosen: precision.Choice
     measured: bool  # the precision was "auto"
     conf: dict  # the DeepSpeed config the ranks run
+    world_size: int  # ranks on every node of the job
 
 
-def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, on_cpu: bool) -> _Inputs:
+def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, on_cpu: bool,
+                    nodes: int = 1) -> _Inputs:
     """Data, parent, vocabulary, layer, precision and DeepSpeed config, found and checked before the run exists:
     a typo (init, data, stage, path) or any other mistake leaves no failed run behind."""
     if resume_run:
@@ -278,12 +291,12 @@ def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, 
     cfg = cfg.model_copy(update={"precision": chosen.precision,
                                  "attn_impl": attention.choose(cfg.attn_impl, on_cpu=on_cpu)})
     conf = ds_config(cfg)
-    gpus, nodes = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, 1)
+    gpus, nodes = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, nodes)
     # DeepSpeed's own rules, before the run
     preflight.check_ds_config(conf, ds_config_path(cfg), world_size=gpus * nodes)
     return _Inputs(cfg=cfg, data=data, data_run_id=data_run_id, eval_data=eval_data, parent=parent, files=files,
                    layout=layout, remap=remap, vocab=vocab, counts=counts, layer=layer, chosen=chosen,
-                   measured=measured, conf=conf)
+                   measured=measured, conf=conf, world_size=gpus * nodes)
 
 
 def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
@@ -299,7 +312,7 @@ def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
         "data.digest": manifest["digest"],
         "data.uri": cfg.data,
         "zero.stage": cfg.zero_stage,
-        "world_size": ranks,
+        "world_size": inputs.world_size,
         "ttt_steps": cfg.ttt_steps,
         **optimizer_params(inputs.conf),
         "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
@@ -326,9 +339,10 @@ def _record_lineage(inputs: _Inputs, params: dict, *, sha: str, ranks: int, run_
                          f"EAGLE-3 drafter for {params['verifier.name_or_path']}, from {origin}"
                          + ("" if parent.is_random else f" (sha256 {sha[:12]}, {inputs.layout} layout)")
                          + f", on data {manifest['digest'][:12]} (vocabulary {params['vocab.policy']}); "
-                         f"ZeRO-{cfg.zero_stage} on {ranks} rank(s), {cfg.steps} steps, pairing {PAIRING}.")})
+                         f"ZeRO-{cfg.zero_stage} on {inputs.world_size} rank(s), {cfg.steps} steps, pairing "
+                         f"{PAIRING}.")})
     if not resumed:  # the data set and the parent model as the run's inputs (the UI links them)
-        client = mlflow.MlflowClient()
+        client = tracking.client()
         lineage.record_inputs(run_id, manifest=manifest, data_name=dataset_name(client, cfg.data),
                               parent_model=lineage.parent_model_id(client, parent, sha256=sha, layout=inputs.layout,
                                                                    experiment_id=experiment_id))
@@ -338,15 +352,10 @@ def _worker_spec(inputs: _Inputs, *, run_id: str, work: Path, ckpt_dir: Path, vo
     """Everything a rank needs, in one spec (files in ``work``, checkpoints in ``ckpt_dir``)."""
     cfg, manifest, eval_data = inputs.cfg, inputs.data.manifest, inputs.eval_data
     return WorkerSpec(
-        run_id=run_id, data_dir=str(inputs.data.root), verifier=manifest["verifier"],
+        config=cfg, run_id=run_id, data_dir=str(inputs.data.root), verifier=manifest["verifier"],
         aux_layer_ids=manifest["aux_layer_ids"], layer=inputs.layer, vocab_file=str(vocab_file),
-        vocab_policy=cfg.vocab, parent_path=str(inputs.parent.path) if inputs.parent.path else None,
-        allow_pickle=cfg.allow_pickle, steps=cfg.steps, ttt_steps=cfg.ttt_steps,
-        tokens_per_batch=cfg.tokens_per_batch, micro_batch_tokens=micro_batch_tokens(cfg), seed=cfg.seed,
-        precision=cast(Literal["bf16", "fp32"], cfg.precision),  # precision.choose resolved auto
-        ttt_loss_decay=cfg.ttt_loss_decay, hidden_noise=cfg.hidden_noise,
-        save_every=cfg.save_every, log_every=cfg.log_every, attn_impl=cfg.attn_impl,
-        val_fraction=cfg.val_fraction, val_every=cfg.val_every, ds_config=inputs.conf, checkpoint_dir=str(ckpt_dir),
+        parent_path=str(inputs.parent.path) if inputs.parent.path else None,
+        micro_batch_tokens=micro_batch_tokens(cfg), ds_config=inputs.conf, checkpoint_dir=str(ckpt_dir),
         eval_data_dir=str(eval_data.root) if eval_data is not None else None,
         load_report=str(work / "parent_load_report.json"), error_file=str(work / "rank_error.json"),
         stop_file=str(work / "stop"), metrics_file=str(work / "metrics.jsonl"))

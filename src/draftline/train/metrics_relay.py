@@ -17,9 +17,9 @@ import threading
 import time
 from pathlib import Path
 
-from mlflow import MlflowClient
 from mlflow.entities import Metric
 
+from draftline import tracking
 from draftline.console import say
 
 
@@ -84,7 +84,7 @@ class Relay:
 
     def deliver_once(self) -> bool:
         """Deliver what is pending; False when the server refused or was away (the rest waits)."""
-        client = MlflowClient()
+        client = tracking.client()
         for pos, line in self._pending():
             metrics = [Metric(k, v, line["timestamp"], line["step"]) for k, v in line["metrics"].items()]
             try:

@@ -33,14 +33,15 @@ from typing import Any
 
 from speculators.models.eagle3.model_definitions import model_classes
 
+from draftline.data import storage
 from draftline.drafter.model import meta_drafter
 from draftline.drafter.shape import default_config, load_config
 from draftline.errors import ConfigError, DraftlineError
+from draftline.train import interconnect
 
 GIB = 1 << 30
-# One B200 (Blackwell) GPU: NVIDIA lists 180 GB per GPU for HGX/DGX B200 (1,440 GB for 8); pass
-# --gpu-memory-gib with what nvidia-smi reports on the real machine (slightly less) to be exact.
-DEFAULT_GPU_MEMORY_GIB = 180.0
+DEFAULT_GPU_MEMORY_GIB = interconnect.DEFAULT_GPU_MEMORY_GIB
+DEFAULT_SAMPLES, DEFAULT_TOKENS_PER_SAMPLE = storage.DEFAULT_SAMPLES, storage.DEFAULT_TOKENS_PER_SAMPLE
 DEFAULT_MARGIN = 0.10
 STAGES = (0, 1, 2, 3)
 # parameters vLLM takes from the verifier, not from a drafter's checkpoint
@@ -64,7 +65,9 @@ def count_params(config) -> dict[str, Any]:
     mlp = tl.intermediate_size
     every = {**trainable, **frozen}
     served = sum(v for n, v in every.items() if not n.startswith(SERVED_ELSEWHERE))
+    fc = sum(v for n, v in trainable.items() if n.startswith("fc."))
     return {
+        "parts": {"fc": fc, "layer": sum(trainable.values()) - fc},
         "total": sum(trainable.values()) + sum(frozen.values()),
         "trainable": sum(trainable.values()),
         "frozen": sum(frozen.values()),
@@ -218,7 +221,9 @@ def _max_tokens(room: int, acts: dict, tokens: int) -> int:
 def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: float | None = DEFAULT_GPU_MEMORY_GIB,
               tokens_per_batch: int = 4096, ttt_steps: int = 3, precision: str = "bf16", attn_impl: str = "sdpa",
               margin: float = DEFAULT_MARGIN, zero_stage: int | None = None, name: str | None = None,
-              layer: str = "llama", draft_vocab_size: int | None = None) -> dict:
+              layer: str = "llama", draft_vocab_size: int | None = None, link: str = "pcie",
+              link_gb_s: float | None = None, gpu_tflops: float | None = interconnect.DEFAULT_TFLOPS,
+              samples: int = DEFAULT_SAMPLES, tokens_per_sample: int = DEFAULT_TOKENS_PER_SAMPLE) -> dict:
     """The memory plan (JSON-serialisable) for a drafter: ``config`` is ``None`` (the real Kimi drafter of
     ``layer``: AQ-MedAI's Llama-layer Kimi-K2 one, or lightseek's MLA Kimi-K2.5 one, with ``draft_vocab_size``
     if given), a
@@ -229,6 +234,10 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
         raise ConfigError(f"plan needs gpus>=1, nodes>=1, tokens_per_batch>=1, ttt_steps>=1, 0<=margin<1 (got "
                           f"gpus={gpus}, nodes={nodes}, tokens_per_batch={tokens_per_batch}, "
                           f"ttt_steps={ttt_steps}, margin={margin})")
+    if samples < 1 or tokens_per_sample < 1:
+        raise ConfigError(f"plan needs samples>=1 and tokens_per_sample>=1 (got {samples}, {tokens_per_sample})")
+    if link not in interconnect.LINKS:
+        raise ConfigError(f"interconnect must be one of {', '.join(interconnect.LINKS)}, got {link!r}")
     if precision not in ("bf16", "fp32"):
         raise ConfigError(f"precision must be bf16 or fp32, got {precision!r}")
     if zero_stage is not None and zero_stage not in STAGES:
@@ -260,6 +269,13 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
             st["min_gpus"] = next((n for n in range(gpus * nodes + 1, 4097) if stage > 0 and sum(
                 model_state_bytes(counts, stage, n, 1, precision)[k] for k in ("model_states", "frozen"))
                 + acts["bytes"] <= budget), None)
+    moved = interconnect.traffic(counts, list(STAGES), gpus=gpus * nodes, tokens=tokens_per_batch,
+                                 ttt_steps=ttt_steps, precision=precision, link=link, link_gb_s=link_gb_s,
+                                 gpu_tflops=gpu_tflops)
+    best, why = interconnect.pick_stage(stages, moved)
+    shape = counts["shape"]
+    shards = storage.shard_bytes(shape["hidden_size"], shape["num_aux"], tokens=samples * tokens_per_sample,
+                                 samples=samples, tokens_source=f"assumed: {tokens_per_sample:,} tokens a sample")
     return {
         "drafter": name, "params": counts["total"], "trainable": counts["trainable"], "frozen": counts["frozen"],
         "checkpoint_params": counts["checkpoint"], "checkpoint_params_with_embeddings":
@@ -271,6 +287,9 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
         "precision": precision, "zero_stage": zero_stage, "activations": acts, "stages": stages,
         "fits": None if zero_stage is None else stages[str(zero_stage)]["fits"],
         "deepspeed_estimators": _deepspeed_reports(counts, gpus, nodes),
+        "interconnect": moved, "recommended_stage": best, "recommended_because": why,
+        "storage": {**shards.as_dict(), "needed_bytes": shards.needed,
+                    "offered": list(storage.HIDDEN_BYTES)},
     }
 
 

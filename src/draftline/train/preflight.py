@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import time
 import traceback
-from pathlib import Path
 
 import torch
 from pydantic import ValidationError
@@ -119,10 +118,6 @@ def check_parent_config_matches_weights(name: str, config: dict | None, header: 
 
 def check_inputs(cfg, data) -> None:
     """The finetune settings against the files they name and the data: before the run exists."""
-    if cfg.hostfile and not Path(cfg.hostfile).is_file():
-        raise DataError(f"hostfile {cfg.hostfile} does not exist: pass --hostfile <a DeepSpeed hostfile>")
-    if cfg.ds_config and not Path(cfg.ds_config).is_file():
-        raise ConfigError(f"DeepSpeed config {cfg.ds_config} does not exist: pass --ds-config <a JSON file>")
     shortest = min(data.sample_lengths(), default=0)
     if cfg.tokens_per_batch < shortest:
         raise DataError(f"--tokens-per-batch {cfg.tokens_per_batch} is below the shortest sample of {cfg.data} "

@@ -26,9 +26,13 @@ from draftline.console import say
 from draftline.util import SIGNALS, interrupt_on_signals
 
 
-def resume_hint(run_id: str | None) -> str:
-    """The command that continues this run: the same flags, plus ``--resume RUN_ID``."""
+def resume_hint(run_id: str | None, *, per_node: bool = False) -> str:
+    """The command that continues this run: the same flags, plus ``--resume RUN_ID`` (``per_node``: without this
+    node's ``--node-rank``, which each node of the job passes for itself)."""
     args = [a for a in sys.argv[1:]]
+    if per_node:
+        args = [a for i, a in enumerate(args) if a != "--node-rank" and (i == 0 or args[i - 1] != "--node-rank")
+                and not a.startswith("--node-rank=")]
     if run_id and "--resume" not in args:
         args += ["--resume", run_id]
     return "draftline " + shlex.join(args) if args else f"draftline finetune ... --resume {run_id}"
@@ -44,8 +48,8 @@ class Stopper:
     """The launching process's side: on the first signal, write the stop file; on a second one, or after the
     grace period, terminate DeepSpeed's launcher (which terminates the ranks)."""
 
-    def __init__(self, proc, stop_file: Path, grace_s: float | None = None):
-        self.proc, self.stop_file = proc, Path(stop_file)
+    def __init__(self, proc, stop_file: Path, grace_s: float | None = None, on_signal=None):
+        self.proc, self.stop_file, self.on_signal = proc, Path(stop_file), on_signal
         self.grace_s = float(os.environ.get("DRAFTLINE_STOP_GRACE_S", "600")) if grace_s is None else grace_s
         self.signum: int | None = None
         self._previous: dict = {}
@@ -68,6 +72,8 @@ class Stopper:
         if self.signum is None:
             self.signum = signum
             self.stop_file.write_text(signal.Signals(signum).name + "\n")
+            if self.on_signal:  # e.g. tell the job's other nodes (train.rendezvous)
+                self.on_signal(signal.Signals(signum).name)
             say(f"{signal.Signals(signum).name}: the ranks save a checkpoint and stop after this "
                   f"step (send it again to stop at once)")
             self._timer = threading.Timer(self.grace_s, self.terminate)

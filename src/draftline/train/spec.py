@@ -4,39 +4,31 @@ and read by ``draftline.train.worker``. Finetune's logged params are derived fro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from draftline.config import FinetuneConfig
+
 
 class WorkerSpec(BaseModel):
+    """The stage's own settings (``config``: precision and attention resolved) and what finetune derived from
+    them and from its inputs; nothing here repeats a setting."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    config: FinetuneConfig = Field(description="finetune's settings, `auto` precision and attention resolved.")
     run_id: str | None = Field(description="The MLflow run rank 0 logs metrics to (None: no logging).")
-    data_dir: str = Field(description="Prepared data (manifest.json and shards).")
+    data_dir: str = Field(description="Prepared data (manifest.json and shards), --data resolved.")
     verifier: str = Field(description="The verifier the data was captured from.")
     aux_layer_ids: list[int]
     layer: dict[str, Any] = Field(description="The drafter's decoder-layer config (drafter_shape.layer_config).")
     vocab_file: str = Field(description="d2t/t2d of the run's draft vocabulary (safetensors).")
-    vocab_policy: Literal["parent", "rebuild"]
-    parent_path: str | None = Field(None, description="The parent's directory; None for a random init.")
-    allow_pickle: bool = False
-    steps: int = Field(ge=1)
-    ttt_steps: int = Field(ge=1)
-    tokens_per_batch: int = Field(ge=1)
-    micro_batch_tokens: int = Field(ge=1, description="Tokens per micro-batch (finetune resolved 0).")
-    precision: Literal["bf16", "fp32"]
-    ttt_loss_decay: float = Field(1.0, gt=0, le=1.0, description="Loss weight of draft position k: decay^k.")
-    hidden_noise: float = Field(0.0, ge=0, description="Gaussian noise on the aux hidden states while training, "
-                                "relative to each layer's per-token RMS.")
-    seed: int
-    save_every: int = Field(ge=1)
-    log_every: int = Field(ge=1)
-    attn_impl: str
-    val_fraction: float = Field(ge=0.0, lt=1.0)
-    val_every: int = Field(ge=1)
-    eval_data_dir: str | None = Field(None, description="A fixed evaluation set validated on instead of a held-out "
-                                      "slice of the training data.")
+    parent_path: str | None = Field(None, description="The parent's directory, --init resolved; None for a random "
+                                    "init.")
+    micro_batch_tokens: int = Field(ge=1, description="Tokens per micro-batch (--micro-batch-tokens 0 resolved).")
+    eval_data_dir: str | None = Field(None, description="--eval-data resolved: a fixed evaluation set validated on "
+                                      "instead of a held-out slice of the training data.")
     ds_config: dict[str, Any] = Field(description="The resolved DeepSpeed config the engine is built from.")
     checkpoint_dir: str
     load_report: str = Field(description="Where rank 0 writes the parent-load report (JSON).")

@@ -25,6 +25,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from safetensors.torch import load_file
 
+from draftline import tracking
 from draftline.console import say
 from draftline.data.shards import open_prepared
 from draftline.data.verify import ShardVerifier
@@ -76,9 +77,9 @@ def validate(engine, val_records, spec, device, dtype, cfg, rank: int, world: in
     """Metrics over the held-out samples, chunks split across ranks. Every rank runs the same number of
     forwards (ZeRO-3 gathers parameters collectively); surplus forwards are not counted."""
     engine.eval()
-    sums = metric_sums(engine, val_records, ttt_steps=spec.ttt_steps, tokens_per_batch=spec.tokens_per_batch,
+    sums = metric_sums(engine, val_records, ttt_steps=spec.config.ttt_steps, tokens_per_batch=spec.config.tokens_per_batch,
                        dtype=dtype, device=device, loss_cfg=cfg, rank=rank, world=world)
-    return summarise(_all_reduce_sums(sums), spec.ttt_steps)
+    return summarise(_all_reduce_sums(sums), spec.config.ttt_steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,8 +174,8 @@ def _place_rank(spec: WorkerSpec, on_gpu: bool) -> _Rank:
     device = torch.device(f"cuda:{local_rank}") if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    torch.manual_seed(spec.seed)
-    dtype = torch.bfloat16 if spec.precision == "bf16" else torch.float32
+    torch.manual_seed(spec.config.seed)
+    dtype = torch.bfloat16 if spec.config.precision == "bf16" else torch.float32
     return _Rank(rank=rank, world=world, device=device, dtype=dtype, on_gpu=on_gpu)
 
 
@@ -186,7 +187,7 @@ def _open_data(spec: WorkerSpec, here: _Rank) -> tuple[list, list, ShardVerifier
     if spec.eval_data_dir:  # a fixed evaluation set (checked whole before launch): every training sample trains
         records, val_records = data.records(), open_prepared(Path(spec.eval_data_dir)).records()
     else:
-        records, val_records = split_validation(data.records(), spec.val_fraction)
+        records, val_records = split_validation(data.records(), spec.config.val_fraction)
     return records, val_records, shards
 
 
@@ -196,12 +197,12 @@ def _build_model(spec: WorkerSpec, here: _Rank) -> torch.nn.Module:
     vocab = load_file(spec.vocab_file)
     model = build_draft_model(spec.verifier, d2t=vocab["d2t"], t2d=vocab["t2d"],
                               aux_layer_ids=spec.aux_layer_ids, draft_vocab_size=int(vocab["d2t"].numel()),
-                              ttt_steps=spec.ttt_steps, attn_impl=spec.attn_impl, dtype=here.dtype,
+                              ttt_steps=spec.config.ttt_steps, attn_impl=spec.config.attn_impl, dtype=here.dtype,
                               layer=spec.layer)
     if spec.parent_path:
-        parent_files = find_checkpoint(spec.parent_path, allow_pickle=spec.allow_pickle)
+        parent_files = find_checkpoint(spec.parent_path, allow_pickle=spec.config.allow_pickle)
         remap = None
-        if spec.vocab_policy == "rebuild":  # the remap finetune planned (vocab.safetensors: new_rows_from_old)
+        if spec.config.vocab == "rebuild":  # the remap finetune planned (vocab.safetensors: new_rows_from_old)
             full_head = verifier_head(spec.verifier)
             plan = VocabRemap(new_rows_from_old=vocab["new_rows_from_old"], kept=-1, added=-1, dropped=-1)
             remap = lambda old: remap_lm_head(old, plan, vocab["d2t"], full_head)  # noqa: E731
@@ -226,7 +227,7 @@ def _resume(engine, ckpt_dir: Path, rank: int) -> int:
 def _metrics_sink(spec: WorkerSpec, rank: int) -> tuple[MetricsFile | MlflowClient | None, str | None]:
     """``(client, run_id)``: rank 0 logs the metrics (spec.run_id None: no logging); other ranks get Nones."""
     run_id = spec.run_id if rank == 0 else None
-    client = (MetricsFile(spec.metrics_file) if spec.metrics_file else MlflowClient()) \
+    client = (MetricsFile(spec.metrics_file) if spec.metrics_file else tracking.client()) \
         if run_id else None  # metrics go through a file the launching process relays
     return client, run_id
 
@@ -234,7 +235,7 @@ def _metrics_sink(spec: WorkerSpec, rank: int) -> tuple[MetricsFile | MlflowClie
 def _batch_stream(records: list, spec: WorkerSpec, here: _Rank, start_step: int) -> Iterator[list[dict]]:
     """This rank's steps from ``start_step`` on, each its packed micro-batches, prepared on a background thread
     (pinned on a GPU)."""
-    stream = micro_steps(records, spec.tokens_per_batch, spec.micro_batch_tokens, seed=spec.seed, rank=here.rank,
+    stream = micro_steps(records, spec.config.tokens_per_batch, spec.micro_batch_tokens, seed=spec.config.seed, rank=here.rank,
                          world_size=here.world, start_step=start_step)
     pin = (lambda b: {k: v.pin_memory() for k, v in b.items()}) if here.on_gpu else (lambda b: b)
     return prefetch([pin(pack(group)) for group in groups] for groups in stream)
@@ -258,26 +259,26 @@ def _log_start_validation(run: _Run) -> None:
 
 def _train_loop(run: _Run, packed: Iterator[list[dict]], start_step: int, best: dict | None, shards: ShardVerifier,
                 stop: dict[str, bool]) -> None:
-    """Steps until ``spec.steps``: train, log, validate, check shards, checkpoint; exits 143 on a stop, saved."""
+    """Steps until ``spec.config.steps``: train, log, validate, check shards, checkpoint; exits 143 on a stop, saved."""
     spec = run.spec
-    steps = spec.steps
+    steps = spec.config.steps
     step, tick = start_step, time.perf_counter()
     window_tokens = 0
     while step < steps:
         metrics, tokens = _train_step(run, next(packed))
         step += 1
         window_tokens += tokens
-        if step % spec.log_every == 0 or step == steps:
+        if step % spec.config.log_every == 0 or step == steps:
             _log_train_window(run, metrics, window_tokens, tick, step)
             tick, window_tokens = time.perf_counter(), 0
-        if run.val_records and (step % spec.val_every == 0 or step == steps):
+        if run.val_records and (step % spec.config.val_every == 0 or step == steps):
             best = _validate_and_keep_best(run, best, step)
         if step == steps:
             shards.finish()  # a run does not end successfully before every shard was checked
         else:
             shards.check()
         stop["now"] = stop_requested(stop["now"], spec.stop_file)  # all ranks agree on the step to stop at
-        if step % spec.save_every == 0 or step == steps or stop["now"]:
+        if step % spec.config.save_every == 0 or step == steps or stop["now"]:
             _save_newest(run, step)
         if stop["now"]:
             if run.here.rank == 0:
@@ -296,11 +297,11 @@ def _train_step(run: _Run, packs: list[dict]) -> tuple[dict, int]:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         batch["hidden_states"] = batch["hidden_states"].to(dtype)
         batch["verifier_last_hidden_states"] = batch["verifier_last_hidden_states"].to(dtype)
-        if spec.hidden_noise:
-            batch["hidden_states"] = add_hidden_noise(batch["hidden_states"], spec.hidden_noise,
+        if spec.config.hidden_noise:
+            batch["hidden_states"] = add_hidden_noise(batch["hidden_states"], spec.config.hidden_noise,
                                                       len(spec.aux_layer_ids))
         run.engine.set_gradient_accumulation_boundary(i == len(packs) - 1)
-        loss, metrics = forward(run.engine, batch, spec.ttt_steps, run.cfg, ttt_loss_decay=spec.ttt_loss_decay)
+        loss, metrics = forward(run.engine, batch, spec.config.ttt_steps, run.cfg, ttt_loss_decay=spec.config.ttt_loss_decay)
         run.engine.backward(loss * share)
         for k, v in metrics.items():
             summed[k] = summed[k] + v.detach() if k in summed else v.detach()
@@ -315,7 +316,7 @@ def _log_train_window(run: _Run, metrics: dict, window_tokens: int, tick: float,
     sums = _all_reduce_sums(sums)
     elapsed = time.perf_counter() - tick
     if run.client and run.run_id:
-        summary = summarise(sums, run.spec.ttt_steps)
+        summary = summarise(sums, run.spec.config.ttt_steps)
         out = {f"train/{k}": v for k, v in summary.items() if not k.startswith("tokens")}
         out["train/lr"] = run.engine.get_lr()[0]
         out["train/tokens_per_s"] = sums["tokens"] / max(elapsed, 1e-9)

@@ -1,5 +1,5 @@
-"""Running out of room while exporting, as the OS (or a library's message) reports it, turned into one
-clear error naming the file and the fix."""
+"""Room on disk: free space checked before a long write (:func:`require_free`), and running out of room while
+writing, as the OS (or a library's message) reports it, turned into one clear error naming the file and the fix."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -74,3 +75,29 @@ def in_store(target: str):
     return room_for(target, space_fix=f"free space on the artifact store ({target}) and on "
                     f"{tempfile.gettempdir()}, then export again",
                     size_fix="raise the limit, then export again")
+
+
+def free_bytes(path: Path | str) -> int:
+    """Free bytes on the file system that holds ``path``, or would hold it (its nearest existing folder)."""
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def require_free(path: Path | str, need: int, *, what: str, fix: str) -> int:
+    """Raise :class:`DiskFullError` (one line) when the file system of ``path`` has less than ``need`` bytes free;
+    returns what it has."""
+    free = free_bytes(path)
+    if free < need:
+        raise DiskFullError(f"{what} needs {human_bytes(need)} and the file system of {path} has "
+                            f"{human_bytes(free)} free: {fix}")
+    return free
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in the largest decimal unit under which it is at least 1 (1.2 TB, 57.3 KB)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,143 @@
+"""``draftline plan``: what finetuning a drafter takes, before anything is launched (the work is in
+:mod:`draftline.train.plan`, imported when the command runs)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from draftline.cli.common import _stdout_to_stderr, cli
+from draftline.data.storage import DEFAULT_SAMPLES, DEFAULT_TOKENS_PER_SAMPLE
+from draftline.train.interconnect import DEFAULT_GPU, DEFAULT_GPU_MEMORY_GIB, DEFAULT_TFLOPS, LINKS
+
+
+@cli.command()
+@click.option("--drafter", default=None, type=click.Path(exists=True),
+              help="Drafter directory or its config.json (speculators, SpecForge or vLLM's MLA layout) "
+                   "[default: the real Kimi drafter of --drafter-layer].")
+@click.option("--drafter-layer", type=click.Choice(["llama", "mla"]), default="llama", show_default=True,
+              help="Without --drafter: llama plans AQ-MedAI's Kimi-K2 drafter (one Llama layer, draft vocab 32000); "
+                   "mla lightseek's Kimi-K2.5 one (one DeepSeek-V3 MLA layer, the full 163,840-token vocabulary).")
+@click.option("--draft-vocab-size", type=click.IntRange(2), default=None,
+              help="Without --drafter: a draft vocabulary of this many tokens instead of the drafter's own.")
+@click.option("--gpus", type=click.IntRange(1), default=8, show_default=True, help="GPUs per node.")
+@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True, help="Nodes.")
+@click.option("--gpu-memory-gib", type=click.FloatRange(0, min_open=True), default=DEFAULT_GPU_MEMORY_GIB,
+              show_default=True, help=f"Memory per GPU (the default: {DEFAULT_GPU}; 180: B200; 141: H200).")
+@click.option("--interconnect", "link", type=click.Choice(sorted(LINKS)), default="pcie", show_default=True,
+              help="What joins the GPUs: pcie (the mission's RTX PRO 6000s, 63 GB/s per direction) or nvlink "
+                   "(HGX B200, 900 GB/s); sets the bandwidth each stage's traffic is timed at.")
+@click.option("--link-gb-s", type=click.FloatRange(0, min_open=True), default=None,
+              help="The bandwidth to time traffic at instead, in GB/s per direction (nccl-tests' all_reduce_perf "
+                   "bus bandwidth on your machine).")
+@click.option("--gpu-tflops", type=click.FloatRange(0, min_open=True), default=DEFAULT_TFLOPS, show_default=True,
+              help="bf16 dense TFLOP/s the compute is timed at (the default is derived from NVIDIA's RTX PRO 6000 "
+                   "figure; pass what yours reaches).")
+@click.option("--samples", type=click.IntRange(1), default=DEFAULT_SAMPLES, show_default=True,
+              help="Samples prepare will capture, for the shards' bytes.")
+@click.option("--tokens-per-sample", type=click.IntRange(1), default=DEFAULT_TOKENS_PER_SAMPLE, show_default=True,
+              help="Tokens a sample, assumed (Kimi-K2.5 answers with its reasoning: 2,000-4,000); prepare "
+                   "measures them from the conversations.")
+@click.option("--tokens-per-batch", type=click.IntRange(1), default=4096, show_default=True,
+              help="Packed tokens per rank per step.")
+@click.option("--ttt-steps", type=click.IntRange(1, 16), default=3, show_default=True,
+              help="Test-time-training steps (draft positions).")
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Training precision.")
+@click.option("--attn-impl", type=click.Choice(["sdpa", "eager", "simple_flex_attention", "blockwise"]),
+              default="sdpa", show_default=True,
+              help="Attention the drafter trains with (finetune's auto: sdpa on GPUs, blockwise on CPUs).")
+@click.option("--margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
+              help="Share of GPU memory kept free for what is not modelled (CUDA context, NCCL, fragmentation).")
+@click.option("--zero-stage", type=click.IntRange(0, 3), default=None,
+              help="The stage you will train with: exit 1 when it does not fit.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def plan(drafter, drafter_layer, draft_vocab_size, gpus, nodes, gpu_memory_gib, link, link_gb_s, gpu_tflops, samples,
+         tokens_per_sample, tokens_per_batch, ttt_steps, precision, attn_impl, margin, zero_stage, as_json):
+    """What finetuning a drafter takes, before anything is launched: GPU memory per ZeRO stage (exact parameter
+    counts on the meta device, DeepSpeed's model-state estimators, an activation estimate) and whether each stage
+    fits; what each stage sends over the interconnect per step beside the compute, and the stage to use; and
+    the disk the prepared shards will take."""
+    from draftline.train import plan as planning
+
+    with _stdout_to_stderr():
+        out = planning.make_plan(drafter, gpus=gpus, nodes=nodes, gpu_memory_gib=gpu_memory_gib,
+                                 tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps, precision=precision,
+                                 attn_impl=attn_impl, margin=margin, zero_stage=zero_stage, layer=drafter_layer,
+                                 draft_vocab_size=draft_vocab_size, link=link, link_gb_s=link_gb_s,
+                                 gpu_tflops=gpu_tflops, samples=samples, tokens_per_sample=tokens_per_sample)
+    click.echo(json.dumps(out, indent=2) if as_json else render_plan(out))
+    if zero_stage is not None:
+        planning.check(out, zero_stage)
+
+
+def render_plan(plan: dict) -> str:
+    """The plan as a plain-text table."""
+    from draftline.train import plan as planning
+
+    lg, lf, a = plan["largest_layer"], plan["largest_frozen_layer"], plan["activations"]
+    big = max(s["total"] for s in plan["stages"].values()) >= planning.GIB
+    unit, unit_name = (planning.GIB, "GiB") if big else (1 << 20, "MiB")  # tiny drafters in MiB
+    mem = "GPU memory unknown: fit not checked" if plan["gpu_memory_gib"] is None else (
+        f"{plan['gpu_memory_gib']:g} GiB per GPU less {plan['margin']:.0%} margin = {planning.gib(plan['budget_bytes'])} GiB")
+    lines = [
+        f"drafter: {plan['drafter']}",
+        f"  params {plan['params']:,} = trainable {plan['trainable']:,} + frozen {plan['frozen']:,} "
+        f"({', '.join(plan['frozen_names'])})",
+        f"  checkpoint {plan['checkpoint_params']:,} (what vLLM loads; "
+        f"{plan['checkpoint_params_with_embeddings']:,} with embeddings)",
+        f"  largest trainable layer {lg['name']} ({lg['params']:,}); largest frozen {lf['name']} ({lf['params']:,})",
+        f"setup: {plan['nodes']} node(s) x {plan['gpus_per_node']} GPU(s); {mem}",
+        f"  {plan['precision']}, tokens_per_batch {plan['tokens_per_batch']}, ttt_steps {plan['ttt_steps']}, "
+        f"attention {a['attn_impl']}",
+        "",
+        f"  {unit_name + ' per GPU':<12}{'model states':>13}{'frozen':>9}{'activations':>13}{'total':>9}"
+        f"{'headroom':>10}  fits",
+    ]
+    for stage, s in plan["stages"].items():
+        fits = "?" if s["fits"] is None else ("yes" if s["fits"] else "NO")
+        mark = "  <- chosen" if plan["zero_stage"] is not None and int(stage) == plan["zero_stage"] else ""
+        cells = [planning.gib(s[k], unit) for k in ("model_states", "frozen", "activations", "total", "headroom")]
+        lines.append(f"  ZeRO-{stage:<7}{cells[0]:>13}{cells[1]:>9}{cells[2]:>13}{cells[3]:>9}{cells[4]:>10}  "
+                     f"{fits}{mark}")
+    lines += ["", "model states (P trainable params, L largest trainable layer, N GPUs in all):"]
+    lines += [f"  ZeRO-{k}: {s['source']}" for k, s in plan["stages"].items()]
+    lines += [f"  frozen params: {2 if plan['precision'] == 'bf16' else 4} bytes each on every GPU; ZeRO-3 partitions "
+              "them and gathers the largest",
+              f"activations (an estimate): {a['formula']}",
+              f"  = {plan['tokens_per_batch']} x ({plan['ttt_steps']} x {a['per_step']:,} + {a['kv_cache']:,} + "
+              f"{a['once']:,} + {a['transient']:,}) + {a['quadratic']:,} bytes",
+              "", "DeepSpeed's own estimators for the trainable params (per CPU, per GPU, every offload option):",
+              *("  " + ln for ln in plan["deepspeed_estimators"].rstrip().splitlines())]
+    return "\n".join(lines + _traffic_lines(plan) + _storage_lines(plan["storage"]))
+
+
+def _traffic_lines(plan: dict) -> list[str]:
+    t = plan["interconnect"]
+    compute = "" if t["compute_s"] is None else (
+        f"; compute {t['step_flops'] / 1e12:.1f} TFLOP a step = {t['compute_s'] * 1e3:.0f} ms at "
+        f"{t['gpu_tflops']:g} TFLOP/s ({t['tflops_source']})")
+    lines = ["", f"interconnect: {t['link']} at {t['bandwidth_gb_s']:g} GB/s per direction ({t['bandwidth_source']})"
+             f"{compute}",
+             f"  {'per GPU, a step':<16}{'sent GB':>9}{'link ms':>9}{'link/compute':>14}  formula (b bytes a value)"]
+    for stage, s in t["stages"].items():
+        ratio = "-" if s["link_over_compute"] is None else f"{s['link_over_compute']:.2f}"
+        lines.append(f"  ZeRO-{stage:<11}{s['sent_bytes'] / 1e9:>9.2f}{s['link_s'] * 1e3:>9.0f}{ratio:>14}  "
+                     f"{s['formula']}")
+    lines.append("  lower bounds: the link's figure, the GPU's peak; DeepSpeed overlaps the reduce with the backward")
+    chosen = plan["recommended_stage"]
+    lines.append(f"use: {'none' if chosen is None else f'--zero-stage {chosen}'}: {plan['recommended_because']}")
+    return lines
+
+
+def _storage_lines(s: dict) -> list[str]:
+    from draftline.disk_space import human_bytes
+
+    return ["", f"prepared shards: {human_bytes(s['bytes'])} for {s['samples']:,} samples x "
+                f"{s['tokens'] // s['samples']:,} tokens ({s['tokens_source']}; --samples, --tokens-per-sample), "
+                f"{s['bytes_per_token']:,} bytes a token in {s['storage']}; prepare asks for "
+                f"{human_bytes(s['needed_bytes'])} free on its --output-dir and measures the tokens"]
+
+
+

@@ -1,0 +1,99 @@
+"""What prepared data costs on disk, before it is written: the shard bytes for a verifier's hidden size, its aux
+layers and a token count (:func:`shard_bytes`), and the token count of a conversations file, measured with the
+verifier's tokenizer (:func:`estimate_tokens`).
+
+A shard token holds (aux + 1) x hidden hidden-state values in bf16 (``hidden_states`` [T, aux*H] and
+``verifier_last_hidden_states`` [T, H]), an int64 token id and a uint8 loss mask (``data/shards.py``); the
+safetensors header and the offsets are a few hundred bytes per shard. For Kimi-K2.5 (hidden 7168, three aux
+layers) that is 57,353 bytes a token: 25,000 samples of 3,000 tokens are 4.3 TB.
+
+bf16 is the only storage draftline offers today: the shards hold what the verifier computed, to its own
+precision, and training reads them as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from draftline.disk_space import require_free
+
+TOKEN_ID_BYTES, MASK_BYTES = 8, 1  # int64 input_ids, uint8 loss_mask
+HIDDEN_BYTES = {"bf16": 2}
+# The mission's first run, planned before its conversations exist: 25,000 samples of Kimi-K2.5's own answers,
+# reasoning included (2,000-4,000 tokens a sample).
+DEFAULT_SAMPLES, DEFAULT_TOKENS_PER_SAMPLE = 25_000, 3_000
+# What a chat template adds around each turn (role markers, separators): an allowance when tokens are counted
+# from the turns' text; the exact count comes from the tokenised samples, before the capture starts.
+TEMPLATE_TOKENS_PER_TURN = 8
+# Headroom asked beyond the estimate: the manifest, token frequencies, progress file and the file system's own.
+MARGIN = 0.05
+
+
+def token_bytes(hidden_size: int, num_aux: int, storage: str = "bf16") -> int:
+    """Bytes one token takes in a shard."""
+    return (num_aux + 1) * hidden_size * HIDDEN_BYTES[storage] + TOKEN_ID_BYTES + MASK_BYTES
+
+
+@dataclass(frozen=True)
+class StoragePlan:
+    samples: int
+    tokens: int
+    bytes_per_token: int
+    bytes: int
+    storage: str
+    tokens_source: str  # how the tokens were counted: "measured …" or "assumed …"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def needed(self) -> int:
+        """The free space to ask for: the shards plus :data:`MARGIN`."""
+        return int(self.bytes * (1 + MARGIN))
+
+
+def shard_bytes(hidden_size: int, num_aux: int, *, tokens: int, samples: int, tokens_source: str,
+                storage: str = "bf16") -> StoragePlan:
+    per = token_bytes(hidden_size, num_aux, storage)
+    return StoragePlan(samples=samples, tokens=tokens, bytes_per_token=per, bytes=per * tokens, storage=storage,
+                       tokens_source=tokens_source)
+
+
+def estimate_tokens(samples: list[dict], tokenizer, max_length: int,
+                    regenerate_max_tokens: int | None = None) -> int:
+    """Tokens the samples will take, each cut at ``max_length``: every turn's text counted with the verifier's
+    tokenizer plus :data:`TEMPLATE_TOKENS_PER_TURN`. With regeneration (``regenerate_max_tokens``), every
+    assistant turn, and the answer to a user turn no assistant turn follows, counts as that many tokens: an upper bound, since
+    the server may stop sooner."""
+    texts = [m["content"] for s in samples for m in s["messages"]
+             if regenerate_max_tokens is None or m["role"] != "assistant"]
+    counts = iter(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
+    total, answer = 0, regenerate_max_tokens
+    for s in samples:
+        n, turns = 0, s["messages"]
+        for i, m in enumerate(turns):
+            n += (answer if answer is not None and m["role"] == "assistant" else next(counts))
+            n += TEMPLATE_TOKENS_PER_TURN
+            unanswered = m["role"] == "user" and (i + 1 == len(turns) or turns[i + 1]["role"] != "assistant")
+            if answer is not None and unanswered:  # regeneration answers it
+                n += answer + TEMPLATE_TOKENS_PER_TURN
+        total += min(n, max_length)
+    return total
+
+
+SKIP = "--disk-check false"
+
+
+def require_room(out_dir: Path, plan: StoragePlan, *, kept_bytes: int = 0) -> None:
+    """Refuse (one :class:`DiskFullError` line) when the file system of ``out_dir`` cannot hold the shards
+    ``plan`` estimates, less ``kept_bytes`` of finished shards already there."""
+    need = max(0, plan.needed - kept_bytes)
+    require_free(out_dir, need, what=f"prepare's shards ({plan.tokens:,} tokens x {plan.bytes_per_token:,} bytes, "
+                 f"{plan.tokens_source}, +{MARGIN:.0%})",
+                 fix=f"free space, choose another --output-dir, cut --max-samples or --max-length, or pass "
+                     f"{SKIP} if the file system reports its free space wrongly")
+
+
+def existing_shard_bytes(out_dir: Path) -> int:
+    return sum(f.stat().st_size for f in Path(out_dir).glob("shard-*.safetensors")) if Path(out_dir).is_dir() else 0

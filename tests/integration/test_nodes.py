@@ -1,0 +1,66 @@
+"""Two launchers on loopback as two nodes of one job (one CPU rank each, gloo): one MLflow run, the drafter of
+a one-node two-rank run; nodes that disagree are refused before any run exists."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from draftline.util import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def _node(flags, rank, port, *extra):
+    return subprocess.Popen([sys.executable, "-m", "draftline.cli", "finetune", *map(str, flags), "--gpus", "1",
+                             "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                             "--master-port", str(port), *map(str, extra)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _runs():
+    client = MlflowClient()
+    exp = client.get_experiment_by_name("tests")
+    return client.search_runs([exp.experiment_id]) if exp else []
+
+
+@pytest.mark.timeout(900)
+def test_two_nodes_train_the_drafter_of_one_node_with_two_ranks(workspace, prepared):
+    from draftline.drafter.handoff import consolidate
+
+    flags = ["--data", prepared, "--init", "tiny", "--steps", "4", "--save-every", "2", "--tokens-per-batch", "512",
+             "--val-fraction", "0"]
+    port = free_port()
+    disagree = [_node(flags, 1, port, "--steps", "5"), _node(flags, 0, port)]
+    outs = [p.communicate(timeout=300) for p in disagree]
+    assert [p.returncode for p in disagree] != [0, 0]
+    assert "steps (4 on node 0, 5 on node 1)" in outs[0][1] and "steps (4 on node 0, 5 on node 1)" in outs[1][1]
+    assert "Traceback" not in outs[0][1] + outs[1][1] and _runs() == []  # nothing opened
+
+    port = free_port()
+    nodes = [_node(flags, 1, port), _node(flags, 0, port)]
+    (out1, err1), (out0, err0) = (p.communicate(timeout=600) for p in nodes)
+    assert nodes[1].returncode == 0, err0[-3000:]
+    assert nodes[0].returncode == 0, err1[-3000:]
+    run_id = json.loads(out0)["run_id"]
+    assert json.loads(out1)["run_id"] == run_id and len(_runs()) == 1  # node 1 attached, logged nothing
+    assert MlflowClient().get_run(run_id).data.params["world_size"] == "2"
+
+    one = subprocess.run([sys.executable, "-m", "draftline.cli", "finetune", *map(str, flags), "--gpus", "2"],
+                         capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two_nodes = consolidate(Path("work") / run_id / "checkpoints")
+    one_node = consolidate(Path("work") / json.loads(one.stdout)["run_id"] / "checkpoints")
+    assert two_nodes.keys() == one_node.keys()
+    for key in one_node:
+        torch.testing.assert_close(two_nodes[key], one_node[key], rtol=1e-3, atol=1e-5, msg=key)
+
+
+def test_a_node_whose_master_does_not_answer_says_so(workspace, prepared):
+    node = _node(["--data", prepared, "--init", "tiny", "--steps", "2"], 1, free_port(), "--rendezvous-timeout", "2")
+    _, err = node.communicate(timeout=120)
+    assert node.returncode != 0 and "node 0 did not answer" in err and "Traceback" not in err

@@ -1,0 +1,46 @@
+"""This node's place in a per-node job, as Slurm, Kubernetes and the flags give it."""
+
+import pytest
+
+from draftline.errors import UsageError
+from draftline.train.nodes import place
+
+
+def _place(env, **flags):
+    given = {"nnodes": None, "node_rank": None, "master_addr": None, "master_port": None, **flags}
+    return place(**given, env=env)
+
+
+def test_slurm_sets_the_place_of_each_task():
+    p = _place({"SLURM_NNODES": "2", "SLURM_NODEID": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29555"})
+    assert (p.nnodes, p.node_rank, p.master_addr, p.master_port, p.store_port) == (2, 1, "10.0.0.5", 29555, 29556)
+    assert "node_rank from SLURM_NODEID" in p.describe()
+
+
+def test_a_pytorchjob_pod_is_a_node_by_its_world_size_and_rank():
+    p = _place({"WORLD_SIZE": "4", "RANK": "3", "MASTER_ADDR": "drafter-master-0"})
+    assert (p.nnodes, p.node_rank, p.master_port) == (4, 3, 29500)
+
+
+def test_flags_win_over_the_environment():
+    p = _place({"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "a"}, nnodes=2, node_rank=0, master_addr="b")
+    assert (p.nnodes, p.node_rank, p.master_addr) == (2, 0, "b")
+
+
+def test_one_node_needs_nothing():
+    assert not _place({}).multi
+
+
+@pytest.mark.parametrize(("env", "flags", "said"), [
+    ({}, {"nnodes": 2, "node_rank": 2, "master_addr": "a"}, "outside a job of 2 nodes"),
+    ({"SLURM_NNODES": "2", "SLURM_NODEID": "0"}, {}, "--master-addr HOST or set MASTER_ADDR"),
+    ({"NODE_RANK": "one", "NNODES": "2"}, {}, "NODE_RANK='one' is not a whole number"),
+])
+def test_a_place_outside_the_job_is_refused_in_one_line(env, flags, said):
+    with pytest.raises(UsageError, match=said):
+        _place(env, **flags)
+
+
+def test_a_hostfile_and_per_node_launch_are_one_or_the_other():
+    with pytest.raises(UsageError, match="one or the other"):
+        place(nnodes=2, node_rank=0, master_addr="a", master_port=None, hostfile="hosts", env={})
