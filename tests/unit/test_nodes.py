@@ -44,3 +44,20 @@ def test_a_place_outside_the_job_is_refused_in_one_line(env, flags, said):
 def test_a_hostfile_and_per_node_launch_are_one_or_the_other():
     with pytest.raises(UsageError, match="one or the other"):
         place(nnodes=2, node_rank=0, master_addr="a", master_port=None, hostfile="hosts", env={})
+
+
+def test_a_node_rank_without_a_job_of_that_size_is_refused():
+    with pytest.raises(UsageError, match="node rank 3 .* outside a job of 1 nodes"):
+        _place({}, node_rank=3)
+
+
+def test_the_hostfile_path_inside_a_slurm_allocation_is_not_a_per_node_job():
+    """pdsh launches every node from this one: SLURM_NNODES around it says nothing about this process's place."""
+    p = place(nnodes=None, node_rank=None, master_addr=None, master_port=None, hostfile="hosts",
+              env={"SLURM_NNODES": "2", "SLURM_NODEID": "0", "MASTER_ADDR": "a"})
+    assert not p.multi
+
+
+def test_world_size_of_a_per_process_launcher_counts_processes_not_nodes():
+    assert not _place({"WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
+                       "MASTER_ADDR": "a"}).multi

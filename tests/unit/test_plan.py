@@ -187,7 +187,7 @@ def test_configs_from_disk_speculators_and_specforge(tmp_path, kimi):
 @pytest.fixture()
 def run():
     runner = CliRunner()
-    return lambda *args: runner.invoke(cli, list(args), catch_exceptions=False)
+    return lambda *args: runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
 
 
 def test_cli_json_parses(run):
@@ -230,3 +230,37 @@ def test_finetune_hook_logs_plan_json_and_fits(tmp_path, monkeypatch):
     assert got["zero_stage"] == 3 and got["gpus_per_node"] == 2 and got["fits"] is None
     assert got["shape"]["hidden_size"] == 64 and got["shape"]["draft_vocab_size"] == 128
     assert mlflow.get_run(active.info.run_id).data.params["plan.fits"] == "unchecked"
+
+
+def _kimi_k25_config(tmp_path, hidden=7168):
+    """Kimi-K2.5's config.json as it ships: the kimi_k25 wrapper, the language model under text_config."""
+    d = tmp_path / "Kimi-K2.5"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config"},
+        "text_config": {"model_type": "kimi_k2", "hidden_size": hidden, "num_hidden_layers": 61,
+                        "kv_lora_rank": 512, "q_lora_rank": 1536, "vocab_size": 163840}}))
+    return d
+
+
+def test_the_missions_run_is_planned_from_the_verifiers_own_config(run, tmp_path):
+    verifier = _kimi_k25_config(tmp_path)
+    r = run("plan", "--samples", "25000", "--tokens-per-sample", "3000", "--verifier", verifier / "config.json",
+            "--drafter-layer", "mla")
+    assert r.exit_code == 0, r.output
+    assert "prepared shards of " in r.stdout and ": 4.3 TB for 25,000 samples x 3,000 tokens" in r.stdout
+    assert "57,353 bytes a token" in r.stdout and "interconnect: pcie at 63 GB/s" in r.stdout
+    assert all(f"ZeRO-{k}" in r.stdout for k in range(4)) and "95 GiB per GPU" in r.stdout
+
+
+def test_a_verifier_of_another_width_than_the_drafter_is_refused_in_one_line(run, tmp_path):
+    r = run("plan", "--verifier", _kimi_k25_config(tmp_path, hidden=576))
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == [
+        "error: verifier Kimi-K2.5 has hidden size 576, the planned drafter 7168: pass --drafter with a drafter of "
+        "that verifier"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    r = run("plan", "--verifier", bad)
+    assert r.exit_code == 2 and "verifier config" in r.stderr and "is unreadable" in r.stderr

@@ -19,6 +19,9 @@ from draftline.train.interconnect import DEFAULT_GPU, DEFAULT_GPU_MEMORY_GIB, DE
 @click.option("--drafter-layer", type=click.Choice(["llama", "mla"]), default="llama", show_default=True,
               help="Without --drafter: llama plans AQ-MedAI's Kimi-K2 drafter (one Llama layer, draft vocab 32000); "
                    "mla lightseek's Kimi-K2.5 one (one DeepSeek-V3 MLA layer, the full 163,840-token vocabulary).")
+@click.option("--verifier", default=None, type=click.Path(exists=True),
+              help="The verifier's directory or config.json (Kimi-K2.5's kimi_k25 wrapper included; read as JSON, no "
+                   "custom code run): the shards are sized from its hidden size, checked against the drafter's.")
 @click.option("--draft-vocab-size", type=click.IntRange(2), default=None,
               help="Without --drafter: a draft vocabulary of this many tokens instead of the drafter's own.")
 @click.option("--gpus", type=click.IntRange(1), default=8, show_default=True, help="GPUs per node.")
@@ -53,7 +56,7 @@ from draftline.train.interconnect import DEFAULT_GPU, DEFAULT_GPU_MEMORY_GIB, DE
 @click.option("--zero-stage", type=click.IntRange(0, 3), default=None,
               help="The stage you will train with: exit 1 when it does not fit.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def plan(drafter, drafter_layer, draft_vocab_size, gpus, nodes, gpu_memory_gib, link, link_gb_s, gpu_tflops, samples,
+def plan(drafter, drafter_layer, verifier, draft_vocab_size, gpus, nodes, gpu_memory_gib, link, link_gb_s, gpu_tflops, samples,
          tokens_per_sample, tokens_per_batch, ttt_steps, precision, attn_impl, margin, zero_stage, as_json):
     """What finetuning a drafter takes, before anything is launched: GPU memory per ZeRO stage (exact parameter
     counts on the meta device, DeepSpeed's model-state estimators, an activation estimate) and whether each stage
@@ -66,7 +69,8 @@ def plan(drafter, drafter_layer, draft_vocab_size, gpus, nodes, gpu_memory_gib, 
                                  tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps, precision=precision,
                                  attn_impl=attn_impl, margin=margin, zero_stage=zero_stage, layer=drafter_layer,
                                  draft_vocab_size=draft_vocab_size, link=link, link_gb_s=link_gb_s,
-                                 gpu_tflops=gpu_tflops, samples=samples, tokens_per_sample=tokens_per_sample)
+                                 gpu_tflops=gpu_tflops, samples=samples, tokens_per_sample=tokens_per_sample,
+                                 verifier=verifier)
     click.echo(json.dumps(out, indent=2) if as_json else render_plan(out))
     if zero_stage is not None:
         planning.check(out, zero_stage)
@@ -110,7 +114,7 @@ def render_plan(plan: dict) -> str:
               f"{a['once']:,} + {a['transient']:,}) + {a['quadratic']:,} bytes",
               "", "DeepSpeed's own estimators for the trainable params (per CPU, per GPU, every offload option):",
               *("  " + ln for ln in plan["deepspeed_estimators"].rstrip().splitlines())]
-    return "\n".join(lines + _traffic_lines(plan) + _storage_lines(plan["storage"]))
+    return "\n".join(lines + _traffic_lines(plan) + _storage_lines(plan["storage"], plan.get("verifier")))
 
 
 def _traffic_lines(plan: dict) -> list[str]:
@@ -131,10 +135,11 @@ def _traffic_lines(plan: dict) -> list[str]:
     return lines
 
 
-def _storage_lines(s: dict) -> list[str]:
+def _storage_lines(s: dict, verifier: str | None) -> list[str]:
     from draftline.disk_space import human_bytes
 
-    return ["", f"prepared shards: {human_bytes(s['bytes'])} for {s['samples']:,} samples x "
+    of = f" of {verifier}" if verifier else ""
+    return ["", f"prepared shards{of}: {human_bytes(s['bytes'])} for {s['samples']:,} samples x "
                 f"{s['tokens'] // s['samples']:,} tokens ({s['tokens_source']}; --samples, --tokens-per-sample), "
                 f"{s['bytes_per_token']:,} bytes a token in {s['storage']}; prepare asks for "
                 f"{human_bytes(s['needed_bytes'])} free on its --output-dir and measures the tokens"]

@@ -13,10 +13,12 @@ precision, and training reads them as they are.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from draftline.disk_space import require_free
+from draftline.errors import ConfigError
 
 TOKEN_ID_BYTES, MASK_BYTES = 8, 1  # int64 input_ids, uint8 loss_mask
 HIDDEN_BYTES = {"bf16": 2}
@@ -28,6 +30,25 @@ DEFAULT_SAMPLES, DEFAULT_TOKENS_PER_SAMPLE = 25_000, 3_000
 TEMPLATE_TOKENS_PER_TURN = 8
 # Headroom asked beyond the estimate: the manifest, token frequencies, progress file and the file system's own.
 MARGIN = 0.05
+
+
+def verifier_hidden_size(source: str | Path) -> tuple[int, str]:
+    """The hidden size of a verifier from its directory or ``config.json`` (a multimodal wrapper such as
+    Kimi-K2.5's ``kimi_k25`` keeps it under ``text_config``), and the name to print; read as JSON, nothing
+    imported, no custom code run. Raises :class:`ConfigError` naming the file."""
+    path = Path(source).expanduser()
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"verifier config {path} is unreadable ({e}): pass the verifier's directory or its "
+                          "config.json") from None
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    hidden = text.get("hidden_size") if isinstance(text, dict) else None
+    if not isinstance(hidden, int) or hidden < 1:
+        raise ConfigError(f"verifier config {path} has no hidden_size (nor text_config.hidden_size): pass a causal "
+                          "LM's config.json")
+    return hidden, str(raw.get("_name_or_path") or path.parent.name or path)
 
 
 def token_bytes(hidden_size: int, num_aux: int, storage: str = "bf16") -> int:

@@ -27,8 +27,11 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "master_port": ("MASTER_PORT", "PET_MASTER_PORT"),
 }
 # Kubeflow's PyTorchJob without nprocPerNode starts one process per pod with WORLD_SIZE = pods and RANK = the
-# pod's index: read as nnodes / node_rank only together, and only where the rows above name nothing.
+# pod's index: read as nnodes / node_rank only together, only where the rows above name nothing, and never where
+# a per-process launcher (torchrun, a PyTorchJob with nprocPerNode) has set LOCAL_* beside them: there WORLD_SIZE
+# counts processes, not nodes.
 POD_PAIR = ("WORLD_SIZE", "RANK")
+PER_PROCESS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,8 @@ def _int(name: str, text: str) -> int:
                          f"{'index' if 'RANK' in name or 'NODEID' in name else 'count'}") from None
 
 
-def place(*, nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None,
-          hostfile: str | None = None, env: Mapping[str, str] | None = None) -> Place:
-    """This node's :class:`Place`; one :class:`UsageError` naming the setting for a rank outside the job, a
-    missing master address or a hostfile given beside per-node launch."""
-    env = os.environ if env is None else env
-    given = {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
+def _read(given: dict[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each field from its flag, else from the first variable of its row in :data:`SOURCES` that is set."""
     values: dict[str, Any] = {}
     source: dict[str, str] = {}
     for field, names in SOURCES.items():
@@ -85,18 +84,33 @@ def place(*, nnodes: int | None, node_rank: int | None, master_addr: str | None,
             raw = env[name].strip()
             values[field] = raw if field == "master_addr" else _int(name, raw)
             source[field] = name
-    if "nnodes" not in values and "node_rank" not in values and all(env.get(n, "").strip() for n in POD_PAIR):
+    if ("nnodes" not in values and "node_rank" not in values and all(env.get(n, "").strip() for n in POD_PAIR)
+            and not any(env.get(n, "").strip() for n in PER_PROCESS)):
         for field, name in zip(("nnodes", "node_rank"), POD_PAIR):
             values[field], source[field] = _int(name, env[name].strip()), name
+    return values, source
+
+
+def place(*, nnodes: int | None, node_rank: int | None, master_addr: str | None, master_port: int | None,
+          hostfile: str | None = None, env: Mapping[str, str] | None = None) -> Place:
+    """This node's :class:`Place`; one :class:`UsageError` naming the setting for a rank outside the job, a
+    missing master address or a hostfile given beside per-node launch."""
+    env = os.environ if env is None else env
+    if hostfile and nnodes is None and node_rank is None:
+        # the pdsh path launches every node from this one: what a Slurm allocation sets around it is not a place
+        env = {}
+    given = {"nnodes": nnodes, "node_rank": node_rank, "master_addr": master_addr, "master_port": master_port}
+    values, source = _read(given, env)
     n = int(values.get("nnodes", 1))
     rank = int(values.get("node_rank", 0))
     if n < 1:
         raise UsageError(f"nnodes={n} ({source.get('nnodes', '--nnodes')}): a job has at least one node")
-    if n == 1:
-        return Place(1, 0, "127.0.0.1", int(values.get("master_port", DEFAULT_PORT)), {})
     if not 0 <= rank < n:
         raise UsageError(f"node rank {rank} ({source.get('node_rank', 'default')}) is outside a job of {n} nodes "
-                         f"({source['nnodes']}): pass --node-rank 0..{n - 1}")
+                         f"({source.get('nnodes', 'no --nnodes given')}): pass --node-rank 0..{n - 1}, or --nnodes "
+                         "with the job's size")
+    if n == 1:
+        return Place(1, 0, "127.0.0.1", int(values.get("master_port", DEFAULT_PORT)), {})
     if hostfile:
         raise UsageError(f"--hostfile launches every node from this one over pdsh/ssh; --nnodes {n} "
                          f"({source['nnodes']}) runs one finetune per node: pass one or the other")

@@ -223,13 +223,15 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
               margin: float = DEFAULT_MARGIN, zero_stage: int | None = None, name: str | None = None,
               layer: str = "llama", draft_vocab_size: int | None = None, link: str = "pcie",
               link_gb_s: float | None = None, gpu_tflops: float | None = interconnect.DEFAULT_TFLOPS,
-              samples: int = DEFAULT_SAMPLES, tokens_per_sample: int = DEFAULT_TOKENS_PER_SAMPLE) -> dict:
+              samples: int = DEFAULT_SAMPLES, tokens_per_sample: int = DEFAULT_TOKENS_PER_SAMPLE,
+              verifier: str | Path | None = None) -> dict:
     """The memory plan (JSON-serialisable) for a drafter: ``config`` is ``None`` (the real Kimi drafter of
     ``layer``: AQ-MedAI's Llama-layer Kimi-K2 one, or lightseek's MLA Kimi-K2.5 one, with ``draft_vocab_size``
     if given), a
     drafter directory or config.json, its contents, or a speculators config. ``gpu_memory_gib=None``: the fit
     is not checked (``fits`` is None). ``zero_stage`` marks the stage that will be used. A stage that does not
-    fit says the most ``tokens_per_batch`` and the fewest GPUs (up to 4096) with which it would."""
+    fit says the most ``tokens_per_batch`` and the fewest GPUs (up to 4096) with which it would. ``verifier`` (its
+    directory or config.json): the shards are sized from its hidden size, which must be the drafter's."""
     if gpus < 1 or nodes < 1 or tokens_per_batch < 1 or ttt_steps < 1 or not 0 <= margin < 1:
         raise ConfigError(f"plan needs gpus>=1, nodes>=1, tokens_per_batch>=1, ttt_steps>=1, 0<=margin<1 (got "
                           f"gpus={gpus}, nodes={nodes}, tokens_per_batch={tokens_per_batch}, "
@@ -273,9 +275,7 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
                                  ttt_steps=ttt_steps, precision=precision, link=link, link_gb_s=link_gb_s,
                                  gpu_tflops=gpu_tflops)
     best, why = interconnect.pick_stage(stages, moved)
-    shape = counts["shape"]
-    shards = storage.shard_bytes(shape["hidden_size"], shape["num_aux"], tokens=samples * tokens_per_sample,
-                                 samples=samples, tokens_source=f"assumed: {tokens_per_sample:,} tokens a sample")
+    shards = _shards(counts["shape"], verifier, samples, tokens_per_sample)
     return {
         "drafter": name, "params": counts["total"], "trainable": counts["trainable"], "frozen": counts["frozen"],
         "checkpoint_params": counts["checkpoint"], "checkpoint_params_with_embeddings":
@@ -288,9 +288,21 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
         "fits": None if zero_stage is None else stages[str(zero_stage)]["fits"],
         "deepspeed_estimators": _deepspeed_reports(counts, gpus, nodes),
         "interconnect": moved, "recommended_stage": best, "recommended_because": why,
+        "verifier": None if verifier is None else str(verifier),
         "storage": {**shards.as_dict(), "needed_bytes": shards.needed,
                     "offered": list(storage.HIDDEN_BYTES)},
     }
+
+
+def _shards(shape: dict, verifier: str | Path | None, samples: int, tokens_per_sample: int) -> storage.StoragePlan:
+    """The shards prepare will write for this drafter's verifier (checked to be as wide as the drafter)."""
+    if verifier is not None:
+        hidden, verifier_name = storage.verifier_hidden_size(verifier)
+        if hidden != shape["hidden_size"]:
+            raise ConfigError(f"verifier {verifier_name} has hidden size {hidden}, the planned drafter "
+                              f"{shape['hidden_size']}: pass --drafter with a drafter of that verifier")
+    return storage.shard_bytes(shape["hidden_size"], shape["num_aux"], tokens=samples * tokens_per_sample,
+                               samples=samples, tokens_source=f"assumed: {tokens_per_sample:,} tokens a sample")
 
 
 def gib(n: int | None, unit: int = GIB) -> str:
