@@ -142,8 +142,8 @@ class FinetuneConfig(_Strict):
     rendezvous_timeout: float = Field(300.0, gt=0, description="Seconds a node waits for node 0 to answer and "
                                       "node 0 for every node to join, before it gives up.")
     steps: int = Field(200, ge=1, description="Optimiser steps.")
-    lr: float = Field(1e-3, gt=0, le=1.0, description="Peak learning rate (AdamW). 1e-3 served best in the "
-                      "recipe sweep (README); from-scratch runs of 100k+ steps on a cluster use 1e-4.")
+    lr: float = Field(1e-3, gt=0, le=1.0, description="Peak learning rate (AdamW); how the default was "
+                      "chosen: docs/real-tier.md, the recipe sweep.")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
     lr_schedule: Literal["linear", "cosine", "constant"] = Field(
         "linear", description="After warm-up: linear decay to 0 (DeepSpeed WarmupDecayLR), cosine decay "
@@ -155,8 +155,7 @@ class FinetuneConfig(_Strict):
                                     "this many tokens (whole samples, as many on every rank), their losses "
                                     "weighted by their share of the step's trained tokens: the same gradient, "
                                     "the packed attention over shorter sequences. 0: the whole step at once "
-                                    "(on 2 CPU cores, ZeRO-2, 1024 tokens, splitting by 256 gained nothing end "
-                                    "to end: each micro-batch's gradient reduction ate the attention saved).")
+                                    "(what it buys: docs/training-speed.md).")
     ttt_steps: int = Field(3, ge=1, le=16, description="Test-time-training steps (draft positions).")
     ttt_loss_decay: float = Field(1.0, gt=0, le=1.0, description="Loss weight of draft position k is decay^k "
                                   "(1.0: every position weighs the same, speculators' default).")
@@ -164,8 +163,8 @@ class FinetuneConfig(_Strict):
                                 "while training, relative to each token's RMS (EAGLE's augmentation; 0: none).")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="Training precision. auto: bf16 on GPUs; on CPUs whichever a short matmul "
-        "measurement at the drafter's shape finds faster here (bf16 is 2x faster with AVX512-BF16/AMX, "
-        "~100x slower without).")
+        "measurement at the drafter's shape finds faster on this machine (CPUs differ by orders of magnitude "
+        "in bf16).")
     save_every: int = Field(50, ge=1, description="Save a DeepSpeed checkpoint every N steps (and at the end).")
     log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of samples held out for validation "
@@ -184,7 +183,7 @@ class FinetuneConfig(_Strict):
     allow_pickle: bool = Field(False, description="Allow a pickle-only parent (loaded with weights_only=True).")
     attn_impl: Literal["auto", "blockwise", "sdpa", "eager", "simple_flex_attention"] = Field(
         "auto", description="Draft attention: auto is blockwise on CPU ranks (per packed sample, the draft "
-        "positions' keys as diagonals; equal to sdpa within rounding, ~1.5x faster a step) and sdpa on GPUs; "
+        "positions' keys as diagonals; equal to sdpa within rounding, faster on a CPU) and sdpa on GPUs; "
         "flex attention needs a GPU.")
     verify_data: bool = Field(False, description="Check every shard's sha256 before launch (a full pass; "
                               "otherwise each shard is checked once while training reads it).")

@@ -1,8 +1,10 @@
 """The command line as a user meets it: help, and one clear sentence with a non-zero exit for each mistake."""
 
 import json
+import re
 import shutil
 
+import click
 import pytest
 import torch
 from click.testing import CliRunner
@@ -88,6 +90,51 @@ def test_config_file_typo_is_a_usage_error(run, tmp_path):
 def test_out_of_range_flag_names_the_field(run):
     r = run("finetune", "--data", "/x", "--zero-stage", "5")
     assert r.exit_code == 2 and "zero_stage: Input should be less than or equal to 3" in r.output
+
+
+@pytest.mark.parametrize("command", ["prepare", "finetune", "evaluate", "export"])
+def test_help_shows_each_settings_type_and_bounds_and_no_measurements(run, command):
+    from draftline import config
+
+    model = {"prepare": config.PrepareConfig, "finetune": config.FinetuneConfig,
+             "evaluate": config.EvaluateConfig, "export": config.ExportConfig}[command]
+    text = " ".join(run(command, "--help").output.split())
+    for name, field in model.model_fields.items():
+        kind = {int: "INTEGER", float: "FLOAT"}.get(field.annotation)
+        if kind:
+            assert f"--{name.replace('_', '-')} {kind}" in text, name
+    if command == "finetune":
+        assert "--steps INTEGER Optimiser steps. [1<=x]" in text and "--lr FLOAT" in text and "[0<=x<=3]" in text
+        assert "--precision [auto|bf16|fp32]" in text
+    # figures measured on one machine go stale unseen in help: they live in benchmarks/results
+    assert not re.search(r"\d(\.\d+)?x (faster|slower)|on 2 CPU cores|served best", text)
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--steps", "abc"], "Invalid value for '--steps': 'abc' is not a valid integer"),
+    (["--lr", "fast"], "Invalid value for '--lr': 'fast' is not a valid float"),
+    (["--allow-pickle", "maybe"], "Invalid value for '--allow-pickle': 'maybe' is not a valid boolean"),
+    (["--vocab", "both"], "Invalid value for '--vocab': 'both' is not one of 'parent', 'rebuild'"),
+])
+def test_a_value_of_the_wrong_type_is_refused_by_click_in_one_line(run, flags, said):
+    r = run("finetune", "--data", "/x", *flags)
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and said in errors[0], r.output
+
+
+def test_an_empty_value_is_mlprojects_unset_and_takes_the_default(run, monkeypatch):
+    from draftline.cli import common
+
+    seen = {}
+
+    def resolve(model, flags, file):  # what the command would build its settings from; then stop
+        seen.update(flags)
+        raise click.exceptions.Exit(0)
+
+    monkeypatch.setattr(common, "resolve", resolve)
+    r = run("export", "--run", "abc", "--registered-model", "m", "--layout", "", "--vllm-check", "")
+    given = {k: v for k, v in seen.items() if v is not None}  # None: a flag not given
+    assert r.exit_code == 0 and given == {"run": "abc", "registered_model": "m"}, (seen, r.output)
 
 
 def test_bad_aux_layers(run):

@@ -88,14 +88,44 @@ def _is_list(annotation) -> bool:
     return any(typing.get_origin(a) is list for a in (annotation, *typing.get_args(annotation)))
 
 
-def _metavar(annotation) -> str:
+class _OrUnset(click.ParamType):
+    """A setting's click type that also takes ``""``: what MLproject passes for a parameter left unset (the
+    setting's default then applies)."""
+
+    def __init__(self, inner: click.ParamType):
+        self.inner, self.name = inner, inner.name
+
+    def convert(self, value, param, ctx):
+        return "" if value == "" else self.inner.convert(value, param, ctx)
+
+    def get_metavar(self, param, ctx):
+        return self.inner.get_metavar(param, ctx)
+
+
+def _click_type(annotation) -> click.ParamType:
+    """click's type for a settings field, so that ``--help`` shows it and click refuses a wrong value in one
+    line: INTEGER, FLOAT, BOOLEAN, a choice for a ``Literal``; text for strings and lists (``2,30,58``, parsed
+    by :func:`_settings`). Bounds stay with pydantic, which checks them once for flags and files alike."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Literal:
-        return "[" + "|".join(str(a) for a in args) + "]"
-    if _is_list(annotation):
-        return "A,B,C"
+        return _OrUnset(click.Choice([str(a) for a in args]))
     inner = [a for a in args if a is not type(None)] if args else [annotation]
-    return {int: "INT", float: "FLOAT"}.get(inner[0], "TEXT") if len(inner) == 1 else "TEXT"
+    if _is_list(annotation) or len(inner) != 1:
+        return _OrUnset(click.STRING)
+    return _OrUnset({int: click.INT, float: click.FLOAT, bool: click.BOOL}.get(inner[0], click.STRING))
+
+
+def _bounds(field) -> str:
+    """pydantic's bounds of a field as click shows a range: ``  [0<=x<=3]`` (empty when unbounded)."""
+    low = next((f"{m.ge}<=" for m in field.metadata if getattr(m, "ge", None) is not None), "") or next(
+        (f"{m.gt}<" for m in field.metadata if getattr(m, "gt", None) is not None), "")
+    high = next((f"<={m.le}" for m in field.metadata if getattr(m, "le", None) is not None), "") or next(
+        (f"<{m.lt}" for m in field.metadata if getattr(m, "lt", None) is not None), "")
+    return f"  [{low}x{high}]" if low or high else ""
+
+
+def _metavar(annotation) -> str | None:
+    return "A,B,C" if _is_list(annotation) else None
 
 
 def _flag(name: str) -> str:
@@ -131,17 +161,18 @@ def settings_options(model):
         for name, field in reversed(list(model.model_fields.items())):
             flag = _flag(name)
             default = None if field.is_required() else field.default
-            help_ = (field.description or "") + (f"  [default: {default}]" if default not in (None, "") else "") + (
+            help_ = (field.description or "") + _bounds(field) + (
+                f"  [default: {default}]" if default not in (None, "") else "") + (
                 "  [required]" if field.is_required() else "")
             if field.annotation is bool:
                 # `--log-shards`, `--no-log-shards`, or a value (`--log-shards false`, as MLproject passes it)
                 f = click.option(f"--no-{name.replace('_', '-')}", f"no_{name}", is_flag=True, default=False,
                                  hidden=True)(f)
-                f = click.option(flag, name, type=str, is_flag=False, flag_value="true", default=None,
+                f = click.option(flag, name, type=_click_type(bool), is_flag=False, flag_value="true", default=None,
                                  help=help_, metavar="[true|false]")(f)
             else:
-                # strings in, pydantic validates: an empty value (MLproject's "unset") means the default
-                f = click.option(flag, name, type=str, default=None, help=help_,
+                # typed by click, bounded by pydantic: an empty value (MLproject's "unset") means the default
+                f = click.option(flag, name, type=_click_type(field.annotation), default=None, help=help_,
                                  metavar=_metavar(field.annotation))(f)
         return click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
                             help="YAML file of settings (flags override it).")(f)
