@@ -63,6 +63,12 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
         ("--tokens", dict(type=int, default=512, metavar="N", help="tokens per step (default: %(default)s)")),
         ("--iters", dict(type=int, default=6, metavar="N", help="steps per variant a round (default: %(default)s)")),
         ("--rounds", dict(type=int, default=5, metavar="N", help="interleaved rounds (default: %(default)s)"))]),
+    "layers-served": ("Llama- vs MLA-layer Kimi drafter at equal data and steps, served by vLLM (after "
+                      "./demo_kimi.sh)", [
+        steps("finetune steps of each drafter", default=100),
+        ("--seed", dict(type=int, default=0, metavar="N", help="the seed of both (default: %(default)s)")),
+        ("--max-new-tokens", dict(type=int, default=24, metavar="N", help="tokens per prompt (default: %(default)s)")),
+        ("--concurrency", dict(default="1", metavar="C,C", help="speed-up concurrencies (default: %(default)s)"))]),
     "speed": ("tokens/s with vs without the drafter on vLLM, as evaluate measures it (after a demo)", [
         ("--shape", dict(default="kimi", choices=("kimi", "smollm2"),
                          help="kimi: after ./demo_kimi.sh; smollm2: after ./demo_real.sh (default: %(default)s)")),

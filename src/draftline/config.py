@@ -6,7 +6,6 @@ Precedence is flag > config file > default, applied by :func:`resolve` (pure: it
 from __future__ import annotations
 
 import difflib
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -14,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from draftline import environment
 from draftline.errors import ConfigError, UsageError
 
 MODEL_NAME_RULE = "letters a-z A-Z, digits 0-9, '-', '_' and '.', beginning with a letter or digit"
@@ -322,8 +322,8 @@ def parse_categories(spec: str | None) -> tuple[set[str], set[str]]:
     return keep, drop
 
 
-CACHE_ENV = "DRAFTLINE_CACHE_DIR"  # where the caches live (cache_root); a pull keeps its downloads where it is set
-VLLM_ARGS_ENV = "DRAFTLINE_VLLM_ARGS"  # flags for every vLLM draftline starts (draftline.serving.engine)
+CACHE_ENV = environment.CACHE_DIR.name  # where the caches live (cache_root); a pull keeps its downloads there
+VLLM_ARGS_ENV = environment.VLLM_ARGS.name  # flags for every vLLM draftline starts (draftline.serving.engine)
 SHIPPED = Path(__file__).parent / "shipped"  # configs/ and registry_policies/: links in a checkout, copies in a wheel
 
 
@@ -336,21 +336,21 @@ def shipped(*parts: str) -> Path:
 def project_root() -> Path | None:
     """The checkout draftline runs from (the folder holding ``MLproject``), or None for an installed wheel.
     ``DRAFTLINE_ROOT`` overrides it."""
-    if os.environ.get("DRAFTLINE_ROOT"):
-        return Path(os.environ["DRAFTLINE_ROOT"])
+    if environment.ROOT.is_set():
+        return Path(environment.ROOT.get())
     root = Path(__file__).resolve().parents[2]
     return root if (root / "MLproject").is_file() else None
 
 
 def work_dir() -> Path:
     """Scratch and cache space of this machine: $DRAFTLINE_WORK, default ./work."""
-    return Path(os.environ.get("DRAFTLINE_WORK", "work")).resolve()
+    return Path(environment.WORK.get()).resolve()
 
 
 def cache_root() -> Path:
     """Caches shared by runs on this machine (pulled blobs, regenerated conversations): $DRAFTLINE_CACHE_DIR,
     default ~/.cache/draftline."""
-    return Path(os.environ.get(CACHE_ENV) or "~/.cache/draftline").expanduser()
+    return Path(environment.CACHE_DIR.get() or "~/.cache/draftline").expanduser()
 
 
 def load_file(file: str | Path) -> dict[str, Any]:

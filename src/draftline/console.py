@@ -15,13 +15,15 @@ import os
 import sys
 import warnings
 
-LOG_ENV = "DRAFTLINE_LOG"
+from draftline import environment
+
+LOG_ENV = environment.LOG.name
 LEVELS = ("warning", "info", "debug")
 BAR_DELAY_S = 1.0  # a bar appears only for work that lasts longer than this
 
 
 def level() -> str:
-    value = os.environ.get(LOG_ENV, "").strip().lower()
+    value = environment.LOG.get()
     return value if value in LEVELS else "warning"
 
 
@@ -34,9 +36,9 @@ def configure(verbose: int = 0) -> str:
     """Set the verbosity for this process and its children (``verbose``: the count of ``-v`` flags; 0 leaves
     ``DRAFTLINE_LOG`` as it is). Call before torch, transformers, mlflow or deepspeed are imported."""
     if verbose:
-        os.environ[LOG_ENV] = LEVELS[min(verbose, 2)]
+        environment.LOG.set(LEVELS[min(verbose, 2)])
     name = level()
-    os.environ[LOG_ENV] = name
+    environment.LOG.set(name)
     py_level = getattr(logging, name.upper())
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if name == "warning":

@@ -20,11 +20,12 @@ from mlflow.tracking import fluent
 from mlflow.utils.file_utils import local_file_uri_to_path
 from sqlalchemy.engine import make_url
 
+from draftline import environment
 from draftline.console import say
 from draftline.errors import DataError, Interrupted, ServerUnavailable, TrackingError
 
-EXPERIMENT_ENV = "DRAFTLINE_EXPERIMENT"
-DEFAULT_EXPERIMENT = "draftline"
+EXPERIMENT_ENV = environment.EXPERIMENT.name
+DEFAULT_EXPERIMENT = environment.EXPERIMENT.default
 
 
 def client() -> MlflowClient:
@@ -58,7 +59,7 @@ def setup(experiment: str | None = None, *, select_experiment: bool = True) -> s
         if os.environ.get("MLFLOW_EXPERIMENT_ID"):  # set by a parent process (e.g. `draftline main`)
             mlflow.set_experiment(experiment_id=os.environ["MLFLOW_EXPERIMENT_ID"])
         else:
-            name = experiment or os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT)
+            name = experiment or environment.EXPERIMENT.get()
             try:
                 exp = mlflow.set_experiment(name)
             except Exception:  # noqa: BLE001  (another process created it a moment ago: take theirs)
@@ -81,7 +82,7 @@ def experiment_id() -> str:
         return client().get_run(os.environ["MLFLOW_RUN_ID"]).info.experiment_id
     if os.environ.get("MLFLOW_EXPERIMENT_ID"):
         return os.environ["MLFLOW_EXPERIMENT_ID"]
-    name = os.environ.get(EXPERIMENT_ENV, DEFAULT_EXPERIMENT)
+    name = environment.EXPERIMENT.get()
     experiment = mlflow.get_experiment_by_name(name)
     if experiment is None:
         raise TrackingError(f"no experiment {name} on {tracking_uri()}: run a stage first, or set {EXPERIMENT_ENV}")
@@ -178,7 +179,7 @@ def end_run(status: str, wait_s: float | None = None) -> None:
     except Exception:  # noqa: BLE001 (the server is away: the run is popped; keep telling it)
         with contextlib.suppress(Exception):
             fluent.run_id_to_system_metrics_monitor.pop(run_id).finish()
-    wait_s = float(os.environ.get("DRAFTLINE_TRACKING_WAIT_S", "600")) if wait_s is None else wait_s
+    wait_s = environment.TRACKING_WAIT_S.get() if wait_s is None else wait_s
     deadline, delay = time.monotonic() + wait_s, 1.0
     say(f"the tracking server is unreachable; retrying to mark run {run_id} {status} for up to "
           f"{wait_s:.0f} s")

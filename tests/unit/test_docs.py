@@ -183,3 +183,17 @@ def test_every_test_file_the_docs_cite_is_one_ci_runs():
     skipped = sorted(c for c in cited - set(BENCHMARK_ONLY) if not _ci_runs_a_test_of(ROOT / "tests" / c))
     assert not skipped, f"the docs cite test files CI never runs (all marked benchmark): {skipped}"
     assert not _ci_runs_a_test_of(ROOT / "tests" / "integration" / "test_generations.py")  # the check can say no
+
+
+def test_the_environment_table_in_the_cli_reference_is_the_declared_one():
+    from draftline.environment import markdown_table
+
+    assert markdown_table() in (DOCS / "cli.md").read_text(), "regenerate it: python -m draftline.environment"
+
+
+def test_no_module_reads_a_draftline_variable_but_through_its_declaration():
+    """Every DRAFTLINE_* variable is read through draftline.environment, typed, where its default is said once."""
+    src = ROOT / "src" / "draftline"
+    direct = re.compile(r"""(environ(\.get)?[\[(]|getenv\()\s*["']DRAFTLINE_""")
+    readers = [str(p.relative_to(src)) for p in src.rglob("*.py") if direct.search(p.read_text())]
+    assert readers == [], readers

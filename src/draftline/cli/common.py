@@ -16,7 +16,7 @@ import typing
 
 import click
 
-from draftline import console
+from draftline import console, environment
 from draftline.config import check_model_name, load_file, resolve
 from draftline.errors import DraftlineError
 
@@ -241,5 +241,6 @@ def cli(verbose: int):
     Verbosity: quiet by default; -v or DRAFTLINE_LOG=info|debug shows the libraries' warnings and logs
     """
     console.configure(verbose)
+    environment.check()  # a DRAFTLINE_* variable of the wrong type: one line, before any work
 
 

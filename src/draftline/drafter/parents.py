@@ -31,8 +31,8 @@ from huggingface_hub.errors import (
 )
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from draftline import tracking
-from draftline.config import project_root, shipped
+from draftline import environment, tracking
+from draftline.config import project_root, shipped, work_dir
 from draftline.console import say
 from draftline.errors import ConfigError, ParentNotFound
 from draftline.registry.blobcache import BlobCache
@@ -71,7 +71,7 @@ class Parent:
 
 
 def catalog_path() -> Path:
-    return Path(os.environ.get("DRAFTLINE_PARENTS") or shipped("configs", "parents.yaml"))
+    return Path(environment.PARENTS.get() or shipped("configs", "parents.yaml"))
 
 
 def load_catalog(path: Path | None = None) -> dict[str, CatalogEntry]:
@@ -80,7 +80,7 @@ def load_catalog(path: Path | None = None) -> dict[str, CatalogEntry]:
         raw = yaml.safe_load(Path(path).read_text()) or {}
         return {k: CatalogEntry(**v) for k, v in (raw.get("parents") or {}).items()}
     except FileNotFoundError:
-        raise ConfigError(f"parent catalog {path} does not exist (set DRAFTLINE_PARENTS)") from None
+        raise ConfigError(f"parent catalog {path} does not exist (set {environment.PARENTS.name})") from None
     except (yaml.YAMLError, ValidationError, TypeError, AttributeError) as e:
         raise ConfigError(f"parent catalog {path} is invalid: {e}") from None
 
@@ -207,7 +207,7 @@ def resolve_init(init: str, *, cache: Path | None = None) -> Parent:
     if init in ("", "random", "none"):
         return Parent(init="random", name="random", source="none", revision="none", path=None)
     if init.startswith("models:/"):
-        return _from_registry(init, cache or Path(os.environ.get("DRAFTLINE_WORK", "work")) / "cache")
+        return _from_registry(init, cache or work_dir() / "cache")
     catalog = load_catalog()
     if init in catalog:
         return _from_catalog(init, catalog[init])

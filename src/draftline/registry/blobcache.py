@@ -31,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftline.config import CACHE_ENV, cache_root
+from draftline import environment
+from draftline.config import cache_root
 from draftline.console import say
 from draftline.errors import VerificationError
 from draftline.util import atomic_write_text
@@ -89,7 +90,7 @@ class BlobCache:
         operator set one up: its pulls repeat)."""
         if self.fill is None:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.fill = bool(os.environ.get(CACHE_ENV)) or clones(self.root, dest_dir)
+            self.fill = environment.CACHE_DIR.is_set() or clones(self.root, dest_dir)
         return self.fill
 
     def _paths(self, digest: str) -> tuple[Path, Path]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
 import subprocess
@@ -11,7 +10,8 @@ import warnings
 from importlib import metadata
 from pathlib import Path
 
-from draftline.config import VLLM_ARGS_ENV, project_root
+from draftline import environment
+from draftline.config import project_root
 
 LINEAGE_FILE = "lineage.json"
 METADATA_FILE = "training_metadata.json"
@@ -90,7 +90,7 @@ def _built_revision(path: str) -> str | None:
 
 def vllm_tags() -> dict[str, str]:
     """The flags ``$DRAFTLINE_VLLM_ARGS`` gave every vLLM this run started, where it was set."""
-    args = os.environ.get(VLLM_ARGS_ENV, "").strip()
+    args = environment.VLLM_ARGS.get()
     return {"draftline.vllm.args": args} if args else {}
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
+from draftline import environment
 from draftline.config import shipped
 from draftline.errors import ConfigError
 from draftline.registry.confidence import paired_difference
@@ -73,11 +73,11 @@ class RuleResult:
     detail: str
 
 
-POLICIES_ENV = "DRAFTLINE_REGISTRY_POLICIES"  # a folder of <stage>.yaml kept by the team (default: the shipped ones)
+POLICIES_ENV = environment.REGISTRY_POLICIES.name  # a folder of <stage>.yaml kept by the team
 
 
 def policy_path(stage: str) -> Path:
-    folder = os.environ.get(POLICIES_ENV)
+    folder = environment.REGISTRY_POLICIES.get()
     return Path(folder) / f"{stage.lower()}.yaml" if folder else shipped("registry_policies", f"{stage.lower()}.yaml")
 
 

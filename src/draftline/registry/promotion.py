@@ -20,6 +20,7 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
+from draftline import environment
 from draftline.console import say
 from draftline.errors import DraftlineError, RegistryError
 from draftline.registry.evidence import evidence_for
@@ -37,7 +38,7 @@ from draftline.registry.versions import (
 
 log = logging.getLogger(__name__)
 STALE_LOCK_S = 30.0  # a promotion's writes take about a second: a lock this old belongs to a killed promoter
-WAIT_ENV = "DRAFTLINE_PROMOTION_WAIT_S"  # how long a promoter waits for the lock (default 120 s)
+WAIT_ENV = environment.PROMOTION_WAIT_S.name  # how long a promoter waits for the lock
 
 
 def _now() -> str:
@@ -126,7 +127,7 @@ def promotion_lock(client, name: str, timeout_s: float | None = None, token: str
     was lost) and is simply kept."""
     lock = name + LOCK_SUFFIX
     token = token or uuid.uuid4().hex
-    timeout_s = float(os.environ.get(WAIT_ENV, "120")) if timeout_s is None else timeout_s
+    timeout_s = environment.PROMOTION_WAIT_S.get() if timeout_s is None else timeout_s
     deadline, delay = time.monotonic() + timeout_s, 0.05
     while True:
         try:

@@ -15,10 +15,11 @@ import os
 import random
 import time
 
+from draftline import environment
 from draftline.errors import DraftlineError, ServerUnavailable
 
 log = logging.getLogger(__name__)
-RETRY_ENV = "DRAFTLINE_RETRY_S"
+RETRY_ENV = environment.RETRY_S.name
 # what MLflow's and requests' messages say when the server went away (MLflow wraps most of them as text)
 _SIGNS = ("max retries exceeded", "connection refused", "connection aborted", "connection reset",
           "remotedisconnected", "remote end closed", "connection broken", "incompleteread", "response ended prematurely",
@@ -50,7 +51,7 @@ def unavailable(exc: BaseException | None) -> bool:
 
 def budget_s() -> float:
     try:
-        return max(0.0, float(os.environ.get(RETRY_ENV, "120")))
+        return environment.RETRY_S.get()
     except ValueError:
         return 120.0
 

@@ -17,10 +17,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from draftline import environment
 from draftline.errors import DataError
 
 PREFIX = "vllm:spec_decode_"
-API_KEY_ENVS = ("DRAFTLINE_REGENERATE_API_KEY", "OPENAI_API_KEY")
+API_KEY_ENVS = (environment.REGENERATE_API_KEY.name, "OPENAI_API_KEY")
 
 
 def redact(url: str) -> str:

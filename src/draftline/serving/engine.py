@@ -27,12 +27,13 @@ from pathlib import Path
 import httpx
 import torch
 
+from draftline import environment
 from draftline.config import VLLM_ARGS_ENV, project_root
 from draftline.errors import ConfigError, DraftlineError
 from draftline.serving import hf_model
 from draftline.util import free_port
 
-PYTHON_ENV = "DRAFTLINE_VLLM_PYTHON"
+PYTHON_ENV = environment.VLLM_PYTHON.name
 # the hidden-state connector vLLM loads by module path (vLLM's own, made CPU-safe): this folder goes on the
 # server's PYTHONPATH when it extracts hidden states
 PLUGINS = Path(__file__).parent / "vllm_plugins"
@@ -51,7 +52,7 @@ class VerifierRefused(EngineError):
 
 def vllm_python(required: bool = False) -> Path | None:
     """The python of the vLLM venv, or None where there is none (or ``DRAFTLINE_VLLM_PYTHON=off``)."""
-    value = os.environ.get(PYTHON_ENV)
+    value = environment.VLLM_PYTHON.get() or None
     if value is not None:
         if value.strip().lower() in OFF:
             if required:
@@ -77,7 +78,7 @@ def vllm_python(required: bool = False) -> Path | None:
 def extra_vllm_args() -> list[str]:
     """The flags ``$DRAFTLINE_VLLM_ARGS`` carries to every vLLM draftline starts (shell-quoted)."""
     try:
-        return shlex.split(os.environ.get(VLLM_ARGS_ENV, ""))
+        return shlex.split(environment.VLLM_ARGS.get())
     except ValueError as e:
         raise ConfigError(f"{VLLM_ARGS_ENV} is not a valid shell-quoted list of vLLM flags ({e})") from None
 

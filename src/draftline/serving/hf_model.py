@@ -21,9 +21,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_M
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
+from draftline import environment
 from draftline.errors import DataError, UsageError
 
-TRUST_ENV = "DRAFTLINE_TRUST_REMOTE_CODE"
+TRUST_ENV = environment.TRUST_REMOTE_CODE.name
 FLAG = "--trust-remote-code"
 # vLLM's CPU MLA backend refuses float32 weights ("expect weight to be bfloat16, float16, ..."): a verifier with
 # DeepSeek's multi-head latent attention is served in bf16 on a CPU, as every verifier is on a GPU
@@ -35,12 +36,12 @@ def _key(path: str | Path) -> str:
 
 
 def trusted() -> set[str]:
-    return {p for p in os.environ.get(TRUST_ENV, "").split(os.pathsep) if p}
+    return {p for p in environment.TRUST_REMOTE_CODE.get().split(os.pathsep) if p}
 
 
 def allow_custom_code(path: str | Path) -> None:
     """Trust the code shipped in the verifier directory ``path`` in this process and the ones it starts."""
-    os.environ[TRUST_ENV] = os.pathsep.join(sorted(trusted() | {_key(path)}))
+    environment.TRUST_REMOTE_CODE.set(os.pathsep.join(sorted(trusted() | {_key(path)})))
 
 
 def trust_as_recorded(path: str | Path, recorded: object) -> None:

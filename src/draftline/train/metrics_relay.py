@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from pathlib import Path
 
 from mlflow.entities import Metric
 
-from draftline import tracking
+from draftline import environment, tracking
 from draftline.console import say
 
 
@@ -117,7 +116,7 @@ class Relay:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-        wait_s = float(os.environ.get("DRAFTLINE_TRACKING_WAIT_S", "600")) if wait_s is None else wait_s
+        wait_s = environment.TRACKING_WAIT_S.get() if wait_s is None else wait_s
         deadline, delay = time.monotonic() + wait_s, 1.0
         while not self.deliver_once():
             if time.monotonic() >= deadline:

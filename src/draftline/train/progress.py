@@ -7,11 +7,11 @@ line at the first step, then every ``DRAFTLINE_PROGRESS_S`` seconds (default 10)
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 
+from draftline import environment
 from draftline.console import PREFIX
 
 
@@ -31,7 +31,7 @@ class Progress:
             except (AttributeError, ValueError):
                 tty = False
         self.tty = tty
-        self.every_s = float(os.environ.get("DRAFTLINE_PROGRESS_S", "10")) if every_s is None else every_s
+        self.every_s = environment.PROGRESS_S.get() if every_s is None else every_s
         self.live = ""  # the line on screen (a terminal only)
         self.val: float | None = None
         self.first: tuple[int, float] | None = None  # (step, time) of the first training line seen

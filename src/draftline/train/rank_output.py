@@ -6,12 +6,11 @@ everything."""
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
 
-from draftline import console
+from draftline import console, environment
 
 _PREFIX = re.compile(r"^(\[rank\d+\]:\s?)")  # torch.distributed prefixes a rank's lines with [rankN]:
 _END = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*|^[A-Za-z_][\w.]*: ")
@@ -21,7 +20,7 @@ OWN = "[draftline]"  # console.PREFIX without its space
 def _level(verbose: bool | None) -> str:
     if verbose is not None:
         return "debug" if verbose else "info"
-    return "debug" if os.environ.get("DRAFTLINE_VERBOSE", "") not in ("", "0") else console.level()
+    return "debug" if environment.VERBOSE.get() else console.level()
 
 
 class RankOutput:

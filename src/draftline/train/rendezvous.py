@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,13 +18,12 @@ from datetime import timedelta
 
 from torch.distributed import DistError, TCPStore
 
-from draftline import errors
+from draftline import environment, errors
 from draftline.errors import TrainingError, UsageError
 from draftline.train.nodes import Place
 
 BEAT_S = 2.0
 # a node whose beat has not moved for this long is gone (its finetune killed, its machine lost)
-STALE_S = float(os.environ.get("DRAFTLINE_NODE_STALE_S", "30"))
 SETTLE_S = 8.0  # after a failure: how long to wait for the node that caused it to say why
 
 
@@ -271,7 +269,7 @@ class Watch(threading.Thread):
                         return self._end(f"node {j}: {f['message']}")
                     if not self.rdv.place.leader or self.store.check([f"done/{j}"]):
                         continue  # node 0's store going away is how a node sees node 0 lost
-                    if beats.silent_for(j) > STALE_S:
-                        return self._end(lost(j, f" for {STALE_S:.0f} s"))
+                    if beats.silent_for(j) > environment.NODE_STALE_S.get():
+                        return self._end(lost(j, f" for {environment.NODE_STALE_S.get():.0f} s"))
             except DistError:
                 return self._end(lost(0))

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from draftline import environment
 from draftline.console import say
 from draftline.util import SIGNALS, interrupt_on_signals
 
@@ -50,7 +51,7 @@ class Stopper:
 
     def __init__(self, proc, stop_file: Path, grace_s: float | None = None, on_signal=None):
         self.proc, self.stop_file, self.on_signal = proc, Path(stop_file), on_signal
-        self.grace_s = float(os.environ.get("DRAFTLINE_STOP_GRACE_S", "600")) if grace_s is None else grace_s
+        self.grace_s = environment.STOP_GRACE_S.get() if grace_s is None else grace_s
         self.signum: int | None = None
         self._previous: dict = {}
         self._timer: threading.Timer | None = None
