@@ -13,16 +13,14 @@ import warnings
 from pathlib import Path
 
 import mlflow
-import requests  # MLflow's own HTTP client
 from mlflow import MlflowClient
 from mlflow.entities import Param
 from mlflow.tracking import fluent
-from mlflow.utils.file_utils import local_file_uri_to_path
-from sqlalchemy.engine import make_url
 
 from draftline import environment
 from draftline.console import say
-from draftline.errors import DataError, Interrupted, ServerUnavailable, TrackingError
+from draftline.errors import DataError, Interrupted, TrackingError
+from draftline.store import check_reachable, require_store, tracking_uri
 
 EXPERIMENT_ENV = environment.EXPERIMENT.name
 DEFAULT_EXPERIMENT = environment.EXPERIMENT.default
@@ -32,14 +30,6 @@ def client() -> MlflowClient:
     """The one place draftline makes its tracking client: MLflow's own, on the store :func:`setup` chose (or
     ``MLFLOW_TRACKING_URI``), with MLflow's credentials from the environment."""
     return MlflowClient()
-
-
-def tracking_uri() -> str:
-    """``MLFLOW_TRACKING_URI``, else an absolute ``sqlite:///<cwd>/mlflow.db`` (MLflow 3's default store)."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
 
 
 def setup(experiment: str | None = None, *, select_experiment: bool = True) -> str:
@@ -89,32 +79,6 @@ def experiment_id() -> str:
     return experiment.experiment_id
 
 
-def store_path(uri: str) -> Path | None:
-    """The local file or folder a tracking URI names (``sqlite:///…``, ``file:…``, a bare path), else None
-    (a server, an in-memory sqlite). Parsed as SQLAlchemy and MLflow parse them: ``sqlite:///mlflow.db`` is
-    relative to the working directory, ``sqlite:////abs/mlflow.db`` absolute."""
-    if uri.startswith("sqlite:"):
-        database = make_url(uri).database
-        return Path(database) if database and database != ":memory:" else None
-    if uri.startswith("file:"):
-        return Path(local_file_uri_to_path(uri))
-    if "://" not in uri and not uri.startswith(("databricks", "uc:")):
-        return Path(uri)
-    return None
-
-
-def require_store(uri: str | None = None) -> str:
-    """For commands that only read: refuse a local tracking store that does not exist (MLflow would create an
-    empty one, then find nothing in it)."""
-    uri = uri or tracking_uri()
-    path = store_path(uri)
-    if path is not None and not path.exists():
-        raise TrackingError(f"no tracking store at {uri} (nothing was created): run this where your mlflow.db is, "
-                            "or point MLFLOW_TRACKING_URI at your store or server, e.g. export "
-                            "MLFLOW_TRACKING_URI=http://mlflow.example:5000 or sqlite:////abs/path/mlflow.db")
-    return uri
-
-
 def setup_read_only() -> str:
     """:func:`setup` for the commands that only read (no experiment selected, no store created)."""
     require_store()
@@ -128,19 +92,6 @@ def run_link(experiment_id: str, run_id: str, uri: str | None = None) -> str:
     if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{page}"
     return f"http://127.0.0.1:5000/{page} (after `mlflow ui --backend-store-uri {uri}`)"
-
-
-def check_reachable(uri: str) -> None:
-    if not uri.startswith(("http://", "https://")):
-        return
-
-    try:
-        requests.get(uri.rstrip("/") + "/health", timeout=10.0)
-    except requests.RequestException as e:
-        raise ServerUnavailable(
-            f"the MLflow tracking server at {uri} is unreachable ({type(e).__name__}). Start it, or point "
-            "MLFLOW_TRACKING_URI at a running server (unset it to use the local sqlite store)"
-        ) from None
 
 
 @contextlib.contextmanager

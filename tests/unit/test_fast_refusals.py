@@ -27,9 +27,10 @@ with open(os.environ["PROBE_OUT"], "w") as f:
 """ % (HEAVY,)
 
 
-def _refusal(tmp_path, *args):
+def _refusal(tmp_path, *args, env=None):
     out = tmp_path / "probe.json"
-    env = {**os.environ, "PROBE_OUT": str(out), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    env = {**os.environ, "PROBE_OUT": str(out), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+           **(env or {})}
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=120)
@@ -119,6 +120,48 @@ STAGE_CASES = {
 def test_the_other_stages_refuse_before_the_heavy_libraries_load(case, tmp_path):
     make, says, code = STAGE_CASES[case]
     probe, stderr = _refusal(tmp_path, *make(tmp_path))
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert probe["code"] == code and len(errors) == 1 and says.format(t=tmp_path) in errors[0], stderr
+    assert probe["loaded"] == [], f"loaded before the refusal: {probe['loaded']}"
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+UNREACHABLE = {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}  # the discard port: nothing listens, refused at once
+REGISTRY_CASES = {
+    "promote through a policy file that does not exist": (
+        lambda t: ["promote", "m", "1", "--to", "Production", "--policy", t / "nope.yaml"], None,
+        "policy file {t}/nope.yaml does not exist", 2),
+    "promote through a policy that is not YAML": (
+        lambda t: ["promote", "m", "1", "--to", "Production", "--policy", _write(t / "p.yaml", "stage: [")], None,
+        "not valid YAML", 2),
+    "promote through a policy with a misspelt rule": (
+        lambda t: ["promote", "m", "1", "--to", "Staging", "--policy",
+                   _write(t / "p.yaml", "stage: Staging\nrequire_tag: [a]\n")], None,
+        "did you mean require_tags?", 2),
+    "rollback through a policy file that does not exist": (
+        lambda t: ["rollback", "m", "--reason", "r", "--policy", t / "nope.yaml"], None, "does not exist", 2),
+    "a registered model name MLflow cannot hold": (lambda t: ["pull", "a/b", "--version", "1", "--dest", t / "d"],
+                                                   None, "cannot be a registered model name", 2),
+    "pull from a local store that does not exist": (lambda t: ["pull", "m", "--version", "1", "--dest", t / "d"],
+                                                    None, "no tracking store at", 1),
+    "pull from a tracking server that does not answer": (
+        lambda t: ["pull", "m", "--version", "1", "--dest", t / "d"], UNREACHABLE, "is unreachable", 75),
+    "promote on a tracking server that does not answer": (
+        lambda t: ["promote", "m", "1", "--to", "Production"], UNREACHABLE, "is unreachable", 75),
+    "list on a tracking server that does not answer": (lambda t: ["list"], UNREACHABLE, "is unreachable", 75),
+    "export to a tracking server that does not answer": (
+        lambda t: ["export", "--run", "x", "--registered-model", "m"], UNREACHABLE, "is unreachable", 75),
+    "prepare for a tracking server that does not answer": (
+        lambda t: ["prepare", "--conversations", DEMO, "--verifier", t / "v"], UNREACHABLE, "is not a directory", 1),
+    "a DRAFTLINE_ variable of the wrong type": (lambda t: ["list"], {"DRAFTLINE_RETRY_S": "soon"},
+                                                "DRAFTLINE_RETRY_S='soon' is not seconds", 2),
+}
+
+
+@pytest.mark.parametrize("case", list(REGISTRY_CASES))
+def test_the_registry_and_the_tracking_store_refuse_before_mlflow_loads(case, tmp_path):
+    make, env, says, code = REGISTRY_CASES[case]
+    probe, stderr = _refusal(tmp_path, *make(tmp_path), env=env)
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert probe["code"] == code and len(errors) == 1 and says.format(t=tmp_path) in errors[0], stderr
     assert probe["loaded"] == [], f"loaded before the refusal: {probe['loaded']}"

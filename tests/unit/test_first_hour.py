@@ -61,7 +61,7 @@ def test_read_only_commands_create_no_tracking_store_and_name_the_one_they_looke
 
 def test_a_relative_store_uri_names_the_store_in_the_working_directory(tmp_path, monkeypatch):
     """MLflow's documented ``sqlite:///mlflow.db`` is ./mlflow.db, ``file:mlruns`` is ./mlruns."""
-    from draftline.tracking import store_path
+    from draftline.store import store_path
 
     monkeypatch.chdir(tmp_path)
     assert store_path("sqlite:///mlflow.db") == Path("mlflow.db")

@@ -8,6 +8,8 @@ from pathlib import Path
 import click
 
 from draftline.cli.common import _stdout_to_stderr, cli, model_name
+from draftline.registry.policy_file import load_policy, policy_path
+from draftline.store import check_store
 
 
 def _client():
@@ -43,6 +45,8 @@ def promote(name, version, stage, policy_file, dry_run, demote, as_json):
     """Promote VERSION of registered model NAME to a stage through its policy (registry_policies/): the alias
     (@staging/@production) moves to it, and the stage with it, archiving the previous holder. Promoting the
     version that already holds the stage changes nothing."""
+    load_policy(policy_file or policy_path(stage))  # before MLflow loads: a bad policy is one line at once
+    check_store(read_only=True)
     from draftline.registry.promotion import promote as run
 
     with _stdout_to_stderr():
@@ -61,6 +65,8 @@ def promote(name, version, stage, policy_file, dry_run, demote, as_json):
 def rollback(name, version, reason, policy_file, as_json):
     """Put Production of NAME back on the version it held before (or --to VERSION). The integrity rules of the
     Production policy still apply; "not worse than the current Production" does not."""
+    load_policy(policy_file or policy_path("Production"))
+    check_store(read_only=True)
     from draftline.registry.promotion import rollback as run
 
     with _stdout_to_stderr():
@@ -74,6 +80,7 @@ def rollback(name, version, reason, policy_file, as_json):
 def list_cmd(name, as_json):
     """The registered models (aliases, latest version), or NAME's versions (stage, aliases, headline metric,
     parent)."""
+    check_store(read_only=True)
     from draftline.registry import views
 
     with _stdout_to_stderr():
@@ -92,6 +99,7 @@ def list_cmd(name, as_json):
 def compare(name, versions, as_json):
     """VERSIONS of NAME side by side (lineage, data digest, headline metrics, stage), each version's registered
     parent included; rows where they differ are starred."""
+    check_store(read_only=True)
     from draftline.registry import views
 
     with _stdout_to_stderr():
@@ -123,8 +131,6 @@ def pull(name, stage, alias, version, dest, verifier, cache, as_json, verify_dir
     when they were cached, unchanged since by their size, modification and change times) are cloned or copied
     from it, so a restarted pod or a version sharing files downloads nothing. DEST never shares a file with
     the cache or with another DEST. DEST receives the complete verified directory or is left as it was."""
-    from draftline.registry import versions
-
     if verify_dir:
         from draftline.registry.transfer import verify_directory
 
@@ -137,6 +143,9 @@ def pull(name, stage, alias, version, dest, verifier, cache, as_json, verify_dir
         raise click.UsageError("pass NAME and --dest (or --verify-only DIR)")
     if sum(bool(x) for x in (stage, alias, version)) != 1:  # before any tracking store is touched
         raise click.UsageError("pass exactly one of --stage, --alias or --version")
+    check_store(read_only=True)
+    from draftline.registry import versions
+
     with _stdout_to_stderr():
         out = versions.pull(_client(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
                             verifier=verifier, use_cache=cache)
@@ -156,6 +165,7 @@ def pull(name, stage, alias, version, dest, verifier, cache, as_json, verify_dir
 def lineage(name, version, as_json):
     """The ancestry of VERSION of NAME (a number, a stage, @alias, or a models:/ URI) back to its external
     root, with the data digest and headline metrics of every generation."""
+    check_store(read_only=True)
     from draftline.registry.ancestry import ancestors, render
 
     uri = version if version.startswith("models:/") else \
@@ -184,6 +194,7 @@ def observe(endpoints, drafter_dir, version, model, window_s, every_minutes, win
     """Record what serving vLLM sees on the version it serves: acceptance length and per-position rates from
     its spec-decode counters over a window, on the version's LoggedModel (served/*), and say whether it is as
     the evaluation measured or below its interval (exit 1 when below: an alert)."""
+    check_store(read_only=False)
     from draftline import tracking
     from draftline.console import say
     from draftline.evaluation import observe as observing

@@ -13,6 +13,7 @@ from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, mod
 from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig, shipped, suggest
 from draftline.data.inputs import check_data_ref, read_inputs
 from draftline.serving.verifiers import CATALOG as VERIFIERS
+from draftline.store import check_store
 from draftline.train.inputs import check_visible as check_finetune_files
 from draftline.train.inputs import job_place
 from draftline.train.nodes import QUIET_C10D
@@ -79,6 +80,7 @@ def prepare(config_file, **flags):
     cfg = _settings(PrepareConfig, config_file, flags)
     with _stdout_to_stderr():
         inputs = read_inputs(cfg)  # the conversations and the verifier's files, before torch and the rest load
+    check_store(read_only=False)
     from draftline.data.prepare import run
 
     _result(run, cfg, inputs=inputs)
@@ -92,8 +94,11 @@ def finetune(config_file, resume_run, **flags):
     """Finetune a drafter from a parent with DeepSpeed ZeRO (one MLflow run)."""
     cfg = _settings(FinetuneConfig, config_file, flags)
     check_finetune_files(cfg)  # the files the settings name, before torch and DeepSpeed load
-    if job_place(cfg).multi:  # the launchers' rendezvous speaks in one line, not c10d's retry traces
+    place = job_place(cfg)
+    if place.multi:  # the launchers' rendezvous speaks in one line, not c10d's retry traces
         os.environ.setdefault(QUIET_C10D[0], QUIET_C10D[1])
+    if place.leader:  # node 0 opens the run; the other nodes attach through it
+        check_store(read_only=False)
     from draftline.train.finetune import run
 
     _result(run, cfg, resume_run=resume_run)
@@ -106,6 +111,7 @@ def evaluate(config_file, **flags):
     by real speculative decoding against the verifier; logged onto its model (one MLflow run)."""
     cfg = _settings(EvaluateConfig, config_file, flags)
     check_data_ref(cfg.data)  # before the heavy libraries load
+    check_store(read_only=False)
     from draftline.evaluation.stage import run
 
     _result(run, cfg)
@@ -116,6 +122,7 @@ def evaluate(config_file, **flags):
 def export(config_file, **flags):
     """Consolidate, validate and register a finetune run's drafter as a new model version."""
     cfg = _settings(ExportConfig, config_file, flags)  # names and values refused before the stage loads
+    check_store(read_only=False)
     from draftline.export.stage import run
 
     _result(run, cfg)
