@@ -204,6 +204,15 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     gpu = CliRunner().invoke(cli, ["promote", "kimi-drafter", ex["version"], "--to", "Production", "--dry-run"],
                              env={"DRAFTLINE_REGISTRY_POLICIES": str(ROOT / "registry_policies" / "gpu")})
     assert "speed-up at concurrency 1 >= 1.05" in gpu.output and "tokens/s" in gpu.output, gpu.output
+    # on these CPUs the drafter does not pay: the GPU deployment's gate on speed refuses it, and nothing moves
+    refused = CliRunner().invoke(cli, ["promote", "kimi-drafter", ex["version"], "--to", "Production"],
+                                 env={"DRAFTLINE_REGISTRY_POLICIES": str(ROOT / "registry_policies" / "gpu")})
+    assert refused.exit_code == 1 and "Traceback" not in refused.output, refused.output
+    assert [ln for ln in refused.output.splitlines() if ln.startswith("error:")] == [
+        f"error: models:/kimi-drafter/{ex['version']} does not meet production.yaml; nothing changed:"]
+    assert any(ln.strip().startswith("FAIL") and "speed-up at concurrency 1 >= 1.05" in ln
+               for ln in refused.output.splitlines()), refused.output
+    assert client.get_model_version("kimi-drafter", ex["version"]).current_stage == "None"
     invoke("promote", "kimi-drafter", ex["version"], "--to", "Production")
     pulled = invoke("pull", "kimi-drafter", "--stage", "Production", "--dest", str(tmp_path / "srv"), "--json")
     assert pulled["command"].startswith(f"vllm serve {KIMI_VERIFIER_ID} --trust-remote-code --speculative-config ")
@@ -211,6 +220,9 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     config = json.loads((tmp_path / "srv" / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "kimi_k2"
     assert config["draft_vocab_size"] == 256
+    card = (tmp_path / "srv" / "README.md").read_text()  # the model card says what it buys, as evaluate measured
+    assert "## Measured by vLLM beside the verifier" in card and f"x{value:.2f} [{low:.2f}, {high:.2f}] at " \
+        "concurrency 1" in card, card
     assert pulled["speculative_config"]["num_speculative_tokens"] == fastest
 
     spec = pulled["speculative_config"]  # the printed command, with the verifier where it lies on this host

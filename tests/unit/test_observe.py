@@ -36,6 +36,8 @@ class Counters:
         if not self.spec:
             return 'vllm:generation_tokens_total{model_name="kimi"} 100.0\n'
         lines = [f'vllm:spec_decode_num_drafts_total{{model_name="kimi"}} {float(self.drafts)}',
+                 f'vllm:generation_tokens_total{{model_name="kimi"}} {float(self.drafts + self.accepted)}',
+                 'vllm:generation_tokens_total{model_name="another"} 1000.0',
                  f'vllm:spec_decode_num_draft_tokens_total{{model_name="kimi"}} {float(3 * self.drafts)}',
                  f'vllm:spec_decode_num_accepted_tokens_total{{model_name="kimi"}} {float(self.accepted)}']
         lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="kimi",position="{p}"}} {float(v)}'
@@ -102,6 +104,7 @@ def test_a_window_is_recorded_on_the_version_it_serves(server, tmp_path, store):
     model = client.get_logged_model(model_id_of(mv))
     served = {m.key: m.value for m in model.metrics if m.key.startswith("served/")}
     assert served["served/acceptance_length"] == pytest.approx(2.6) and served["served/drafts"] == 100
+    assert served["served/generated_tokens"] == 100 + 160  # a token per step and the accepted ones, this model's
     assert model.tags["served.verdict"] == "as evaluated"
     params = client.get_run(out["run_id"]).data.params
     assert params["endpoints"] == endpoint

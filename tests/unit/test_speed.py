@@ -86,3 +86,18 @@ def test_the_speed_gate_reads_the_lower_bound():
     assert not result.passed and "lower bound 0.980 < 1.05" in result.detail
     missing = _judge(fast, {"concurrency": 8, "value": 1.05})
     assert not missing.passed and "--speed-concurrency 8" in missing.detail
+
+
+def test_the_model_card_says_what_the_drafter_buys():
+    from draftline.export.directory import model_card
+
+    evaluated = [{"data": {"name": "evaluation", "digest": "ab" * 32}, "metrics": {
+        "eval/measured/acceptance_length": 1.5, "eval/measured/acceptance_length_low": 1.4,
+        "eval/measured/acceptance_length_high": 1.6, "eval/measured/prompts": 12.0,
+        "eval/speed/c1/speedup": 0.53, "eval/speed/c1/speedup_low": 0.39, "eval/speed/c1/speedup_high": 0.71,
+        "eval/speed/c1/drafted_tokens_per_s": 23.5, "eval/speed/c1/plain_tokens_per_s": 44.7}},
+        {"data": {"name": "teacher-forced only", "digest": "cd" * 32}, "metrics": {"eval/teacher_forced/x": 1.0}}]
+    card = model_card({"verifier.name_or_path": "v"}, {}, evaluated)
+    assert ("| evaluation (`abababababab`) | 12 | 1.500 [1.400, 1.600] | x0.53 [0.39, 0.71] at concurrency 1 "
+            "(23.5 vs 44.7 tokens/s) |") in card
+    assert "teacher-forced only" not in card and "## Measured by vLLM" not in model_card({}, {}, [])

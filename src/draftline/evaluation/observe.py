@@ -42,6 +42,7 @@ class Window:
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
+    generated: int = 0  # the tokens the servers generated in the window (0 where they do not export it)
     per_pos: dict[int, int] = field(default_factory=dict)
     servers: int = 0
     resets: int = 0
@@ -56,6 +57,7 @@ class Window:
     def metrics(self) -> dict[str, float]:
         out = {f"{SERVED}/acceptance_length": self.acceptance_length, f"{SERVED}/drafts": float(self.drafts),
                f"{SERVED}/draft_tokens": float(self.draft_tokens), f"{SERVED}/accepted_tokens": float(self.accepted),
+               f"{SERVED}/generated_tokens": float(self.generated),
                f"{SERVED}/window_s": self.seconds, f"{SERVED}/servers": float(self.servers),
                f"{SERVED}/counter_resets": float(self.resets)}
         out.update({f"{SERVED}/acceptance_rate_pos{p}": r for p, r in enumerate(self.rates())})
@@ -78,6 +80,7 @@ def window(before: list[dict], after: list[dict], seconds: float) -> Window:
         w.drafts += int(round(a["num_drafts"] - base["num_drafts"]))
         w.draft_tokens += int(round(a["num_draft_tokens"] - base["num_draft_tokens"]))
         w.accepted += int(round(a["num_accepted_tokens"] - base["num_accepted_tokens"]))
+        w.generated += int(round(a.get("generation_tokens", 0.0) - base.get("generation_tokens", 0.0)))
         per_b = {} if reset else b["num_accepted_tokens_per_pos"]
         for p, v in a["num_accepted_tokens_per_pos"].items():
             w.per_pos[p] = w.per_pos.get(p, 0) + int(round(v - per_b.get(p, 0.0)))
@@ -183,6 +186,7 @@ def run(client, endpoints: list[str], *, model: str | None, drafter_dir: str | N
             say(line)
             out = {"version": mv.version, "name": mv.name, "run_id": active.info.run_id, "below": below_any,
                    "served_acceptance_length": round(w.acceptance_length, 4), "drafts": w.drafts,
+                   "generated_tokens": w.generated,
                    "rates": [round(r, 4) for r in w.rates()], "window_s": round(w.seconds, 1), "resets": w.resets,
                    "evaluated": list(evaluated[:3]) if evaluated else None}
             step += 1

@@ -26,12 +26,38 @@ def serving_id(cfg: ExportConfig, params: dict[str, str]) -> str:
     return chosen
 
 
-def model_card(lineage: dict, metrics: dict[str, float]) -> str:
+def evaluation_rows(evaluated: list[dict]) -> str:
+    """One row per evaluation set the version was measured on: served acceptance and the speed-up the drafter
+    bought, each with its interval, as evaluate measured them on vLLM."""
+    rows = []
+    for result in evaluated:
+        m = result["metrics"]
+        if "eval/measured/acceptance_length" not in m:
+            continue
+        acc = f"{m['eval/measured/acceptance_length']:.3f}"
+        if "eval/measured/acceptance_length_low" in m:
+            acc += f" [{m['eval/measured/acceptance_length_low']:.3f}, {m['eval/measured/acceptance_length_high']:.3f}]"
+        speeds = sorted((int(k.split("/")[2][1:]), k.rsplit("/", 1)[0]) for k in m
+                        if k.startswith("eval/speed/c") and k.endswith("/speedup"))
+        speed = "; ".join(f"x{m[p + '/speedup']:.2f} [{m[p + '/speedup_low']:.2f}, {m[p + '/speedup_high']:.2f}] at "
+                          f"concurrency {c} ({m[p + '/drafted_tokens_per_s']:.1f} vs {m[p + '/plain_tokens_per_s']:.1f}"
+                          " tokens/s)" for c, p in speeds) or "not measured"
+        prompts = int(m.get("eval/measured/prompts", 0))
+        rows.append(f"| {result['data']['name']} (`{result['data']['digest'][:12]}`) | {prompts} | {acc} | {speed} |")
+    return "\n".join(rows)
+
+
+def model_card(lineage: dict, metrics: dict[str, float], evaluated: list[dict] | None = None) -> str:
     base = lineage.get("parent.source") if lineage.get("parent.source") not in (None, "none") else \
         lineage.get("verifier.name_or_path")
     rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in sorted(lineage.items()))
     mrows = "\n".join(f"| `{k}` | {v:.4f} |" for k, v in sorted(metrics.items()))
     relation = "base_model_relation: finetune\n" if lineage.get("parent.source") not in (None, "none") else ""
+    erows = evaluation_rows(evaluated or [])
+    evaluations = ("" if not erows else "\n## Measured by vLLM beside the verifier\n\nServed acceptance length and "
+                   "tokens per second with the drafter over without it, on the same prompts (95% intervals; on the "
+                   "hardware evaluate ran on, which is not necessarily yours).\n\n| evaluation set | prompts | "
+                   "acceptance length | speed-up |\n|---|---|---|---|\n" + erows + "\n")
     return f"""---
 base_model: {base}
 {relation}license: other  # the parent's and the verifier's licenses apply
@@ -59,7 +85,7 @@ Trained by draftline for the verifier `{lineage.get('verifier.name_or_path')}` o
 | metric | value |
 |---|---|
 {mrows}
-"""
+{evaluations}"""
 
 
 def serve_lines(lineage: dict) -> str:
@@ -73,7 +99,8 @@ def serve_lines(lineage: dict) -> str:
     return f"vllm serve <this dir>   # the verifier comes from speculators_config.verifier.name_or_path\n{long}"
 
 
-def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float]) -> None:
+def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float],
+                  evaluated: list[dict] | None = None) -> None:
     """Write the directory vLLM serves (``checksums.json`` comes with the upload)."""
     save_served(model, out, lineage["verifier.name_or_path"])
     cfg = json.loads((out / "config.json").read_text())
@@ -89,4 +116,4 @@ def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float]) ->
         raise CheckpointError("the exported config.json carries a quantization_config: vLLM would load the "
                               "drafter as quantized")
     (out / LINEAGE_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True) + "\n")
-    (out / "README.md").write_text(model_card(lineage, metrics))
+    (out / "README.md").write_text(model_card(lineage, metrics, evaluated))

@@ -51,7 +51,7 @@ def run(cfg: ExportConfig) -> dict[str, str]:
         model, lineage, step = _trained_drafter(ft, cfg, tmp)
         evaluated = evaluations_for(client, ft_id, step)
         k = _set_recommended_k(model, lineage, evaluated)
-        out = _write_checked(model, lineage, metrics, tmp / "drafter", verifier=local_verifier(params))
+        out = _write_checked(model, lineage, metrics, evaluated, tmp / "drafter", verifier=local_verifier(params))
         vllm_check = check_in_vllm(cfg.vllm_check, out, local_verifier(params), k or int(params.get("ttt_steps", 3)),
                                    mla_drafter=is_mla_drafter(model))
         tracking.log_params_once({"export.layout": cfg.layout, "export.registered_model": cfg.registered_model,
@@ -107,11 +107,11 @@ def _set_recommended_k(model, lineage: dict, evaluated: list[dict]) -> int | Non
     return found[0]
 
 
-def _write_checked(model, lineage: dict, metrics: dict, out: Path, *, verifier: str) -> Path:
+def _write_checked(model, lineage: dict, metrics: dict, evaluated: list[dict], out: Path, *, verifier: str) -> Path:
     """The speculators-format directory vLLM serves, written to ``out`` and checked against the model."""
     try:
         with in_tmp(out):
-            write_drafter(model, out, lineage, metrics)
+            write_drafter(model, out, lineage, metrics, evaluated)
     except OSError as e:
         raise DraftlineError(f"cannot write the export to {e.filename or out} ({e.strerror}): point TMPDIR "
                              "at a writable directory") from None

@@ -36,8 +36,12 @@ def mlflow_error(e: Exception) -> str:
     return getattr(e, "message", None) or str(e).splitlines()[0]
 
 
+DENIED = ("PERMISSION_DENIED", "UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED")  # MLflow's codes for HTTP 403 and 401
+
+
 def denied(e: Exception) -> bool:
-    return getattr(e, "error_code", "") in ("PERMISSION_DENIED", "UNAUTHENTICATED") or "403" in str(e)[:200]
+    """The server refused this user (MLflow names a 403 or 401 by its error code, JSON body or not)."""
+    return getattr(e, "error_code", "") in DENIED
 
 
 def resolve_version(client, uri: str, *, refuse_split: bool = False):

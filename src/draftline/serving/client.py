@@ -35,21 +35,23 @@ def api_key() -> str | None:
     param or log)."""
     return next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None)
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+GENERATED = "vllm:generation_tokens"  # the tokens the server generated (its counter; ``generation_tokens`` here)
 _SAMPLE = re.compile(r'^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)')
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def parse_counters(text: str, model: str | None = None) -> dict[str, float | dict[int, float]]:
     """The spec-decode counters in a Prometheus text exposition, summed over engines (series of other
-    ``model_name`` values left out); ``num_accepted_tokens_per_pos`` by position."""
+    ``model_name`` values left out); ``num_accepted_tokens_per_pos`` by position; ``generation_tokens``, the
+    tokens generated, where the server exports them."""
     out: dict[str, float | dict[int, float]] = {}
     per: dict[int, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
-        if not m or not m["name"].startswith(PREFIX) or not m["name"].endswith("_total"):
+        if not m or not m["name"].startswith((PREFIX, GENERATED)) or not m["name"].endswith("_total"):
             continue
-        name = m["name"][len(PREFIX):-len("_total")]
-        if name not in COUNTERS:
+        name = "generation_tokens" if m["name"] == GENERATED + "_total" else m["name"][len(PREFIX):-len("_total")]
+        if name not in (*COUNTERS, "generation_tokens"):
             continue
         labels = dict(_LABEL.findall(m["labels"] or ""))
         if model is not None and labels.get("model_name", model) != model:
