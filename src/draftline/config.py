@@ -75,6 +75,10 @@ class PrepareConfig(_Strict):
                              "refuse when the --output-dir file system has less free; check again before each "
                              "shard, so a disk that fills stops the run with its finished shards kept. false: "
                              "skip both, for file systems that report their free space wrongly.")
+    hidden_storage: Literal["bf16", "fp8"] = Field("bf16", description="How the shards hold the hidden states: "
+                                                   "bf16 as the verifier computed them, or fp8 (E4M3 with a scale "
+                                                   "per token and layer, read back to bf16 for training): half "
+                                                   "the disk; what it costs in served acceptance: docs/results.md.")
     capture_backend: Literal["transformers", "vllm"] = Field(
         "transformers", description="Who computes the hidden states: transformers in this process, or vLLM with "
         "its extract_hidden_states method (a verifier only vLLM runs, such as Kimi-K2.5): a loopback server "

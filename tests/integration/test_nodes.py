@@ -2,8 +2,11 @@
 a one-node two-rank run; nodes that disagree are refused before any run exists."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,11 +18,12 @@ from draftline.util import free_port
 pytestmark = pytest.mark.integration
 
 
-def _node(flags, rank, port, *extra):
+def _node(flags, rank, port, *extra, env=None):
     return subprocess.Popen([sys.executable, "-m", "draftline.cli", "finetune", *map(str, flags), "--gpus", "1",
                              "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
                              "--master-port", str(port), *map(str, extra)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
 
 
 def _runs():
@@ -64,3 +68,51 @@ def test_a_node_whose_master_does_not_answer_says_so(workspace, prepared):
     node = _node(["--data", prepared, "--init", "tiny", "--steps", "2"], 1, free_port(), "--rendezvous-timeout", "2")
     _, err = node.communicate(timeout=120)
     assert node.returncode != 0 and "node 0 did not answer" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(900)
+def test_a_node_lost_mid_training_stops_every_node_and_the_job_resumes_across_nodes(workspace, prepared):
+    """kill -9 of node 1's whole process group at step 2: node 0 ends its ranks and the run FAILED with the
+    resume line; both nodes rerun with --resume and finish the same run, its steps continued."""
+    flags = ["--data", prepared, "--init", "tiny", "--steps", "6", "--save-every", "2", "--tokens-per-batch", "512",
+             "--val-fraction", "0"]
+    fast = {"DRAFTLINE_NODE_STALE_S": "5"}
+    port = free_port()
+    one, zero = _node(flags, 1, port, env=fast), _node(flags, 0, port, env=fast)
+    deadline, latest = time.monotonic() + 400, None
+    while time.monotonic() < deadline and latest is None and zero.poll() is None:
+        latest = next(Path("work").glob("*/checkpoints/latest"), None)
+        time.sleep(0.5)
+    assert latest is not None, "no checkpoint before the job ended"
+    os.killpg(one.pid, signal.SIGKILL)
+    one.wait()
+    _, err0 = zero.communicate(timeout=300)
+    assert zero.returncode != 0 and "Traceback" not in err0, err0[-3000:]
+    errors = [ln for ln in err0.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "node 1" in errors[0] and "--resume" in errors[0], err0[-3000:]
+    (run,) = _runs()
+    assert run.info.status == "FAILED"
+    assert not [p for p in _children() if p != os.getpid()], "a rank was left running"
+
+    port = free_port()
+    resumed = [_node(flags, 1, port, "--resume", run.info.run_id), _node(flags, 0, port, "--resume", run.info.run_id)]
+    (_, e1), (out0, e0) = (p.communicate(timeout=600) for p in resumed)
+    assert [p.returncode for p in resumed] == [0, 0], (e0[-2000:], e1[-2000:])
+    assert json.loads(out0)["run_id"] == run.info.run_id and len(_runs()) == 1
+    client = MlflowClient()
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    steps = sorted({m.step for m in client.get_metric_history(run.info.run_id, "train/loss")})
+    assert steps == [1, 2, 3, 4, 5, 6], steps
+
+
+def _children() -> list[int]:
+    """This test's ranks still alive: draftline.train.worker processes working in this test's folder."""
+    out, here = [], os.getcwd()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if b"draftline.train.worker" in (d / "cmdline").read_bytes() and os.readlink(d / "cwd") == here:
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out

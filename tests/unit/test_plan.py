@@ -79,7 +79,8 @@ def test_zero3_is_chosen_where_only_it_fits():
 def test_the_plan_sizes_the_missions_shards():
     p = plan.make_plan(layer="mla")["storage"]
     assert (p["samples"], p["tokens"], p["bytes_per_token"]) == (25_000, 75_000_000, 57_353)
-    assert 4.30e12 < p["bytes"] < 4.31e12 and p["offered"] == ["bf16"] and "assumed" in p["tokens_source"]
+    assert 4.30e12 < p["bytes"] < 4.31e12 and p["offered"] == ["bf16", "fp8"] and "assumed" in p["tokens_source"]
+    assert p["bytes_by_storage"] == {"bf16": p["bytes"], "fp8": 75_000_000 * (4 * (7168 + 4) + 9)}
 
 
 def test_fits_on_8_b200_and_not_on_small_gpus():

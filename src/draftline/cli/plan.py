@@ -142,7 +142,9 @@ def _storage_lines(s: dict, verifier: str | None) -> list[str]:
     return ["", f"prepared shards{of}: {human_bytes(s['bytes'])} for {s['samples']:,} samples x "
                 f"{s['tokens'] // s['samples']:,} tokens ({s['tokens_source']}; --samples, --tokens-per-sample), "
                 f"{s['bytes_per_token']:,} bytes a token in {s['storage']}; prepare asks for "
-                f"{human_bytes(s['needed_bytes'])} free on its --output-dir and measures the tokens"]
+                f"{human_bytes(s['needed_bytes'])} free on its --output-dir and measures the tokens",
+            "  " + "; ".join(f"--hidden-storage {k}: {human_bytes(v)}" for k, v in s["bytes_by_storage"].items())
+            + " (fp8: E4M3, a scale per token and layer; what it costs in served acceptance: docs/results.md)"]
 
 
 

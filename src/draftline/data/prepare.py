@@ -128,7 +128,8 @@ def _shard_writer(cfg: PrepareConfig, out_dir: Path, key: str | None, tokenized:
     for t in tokenized:  # streamed: one sample at a time, not one string of every token id
         samples_digest.update(json.dumps((t.id, t.input_ids, t.loss_mask)).encode() + b"\n")
     writer_key = hashlib.sha256(f"{key or prepare_key(cfg)}:{samples_digest.hexdigest()}".encode()).hexdigest()
-    writer = shards.ShardWriter(out_dir, writer_key, cfg.shard_tokens, vocab, check_room=cfg.disk_check)
+    writer = shards.ShardWriter(out_dir, writer_key, cfg.shard_tokens, vocab, check_room=cfg.disk_check,
+                                storage=cfg.hidden_storage)
     if writer.done_samples:
         log.warning("resuming the hidden-state capture in %s after %d finished shards (%d samples)",
                     out_dir, len(writer.entries), writer.done_samples)
@@ -167,9 +168,10 @@ def _manifest(cfg: PrepareConfig, out_dir: Path, verifier_path: str, config, aux
         "hidden_size": hidden,
         "vocab_size": config.vocab_size,
         "aux_layer_ids": aux,
-        "dtype": "bfloat16",
+        "dtype": "bfloat16",  # what the loader hands training, whatever the storage
+        "hidden_storage": cfg.hidden_storage,
         "capture_backend": cfg.capture_backend,
-        "bytes_per_token": (len(aux) + 1) * hidden * 2,
+        "bytes_per_token": storage.token_bytes(hidden, len(aux), cfg.hidden_storage),
         "max_length": cfg.max_length,
         "samples": sum(e["samples"] for e in entries),
         "tokens": sum(e["tokens"] for e in entries),
@@ -275,7 +277,7 @@ def storage_plan(cfg: PrepareConfig, inputs: Inputs, config, aux: list[int]) -> 
     source = ("measured from the conversations' text" if regen is None else
               f"measured from the prompts, each answer counted as --regenerate-max-tokens {regen}: an upper bound")
     return storage.shard_bytes(config.hidden_size, len(aux), tokens=tokens, samples=len(samples),
-                               tokens_source=source)
+                               tokens_source=source, storage=cfg.hidden_storage)
 
 
 def output_dir(cfg: PrepareConfig, key: str) -> Path:
@@ -306,6 +308,7 @@ def run(cfg: PrepareConfig, *, progress: bool = True, inputs: Inputs | None = No
             "data.digest": manifest["digest"],
             "data.location": manifest["location"],
             "data.shards_logged": cfg.log_shards,
+            "data.hidden_storage": cfg.hidden_storage,
         })
         mlflow.log_metrics({"data/samples": manifest["samples"], "data/tokens": manifest["tokens"],
                             "data/masked_tokens": manifest["masked_tokens"],

@@ -2,8 +2,10 @@
 
 Each shard holds its samples back to back: ``input_ids`` [T], ``loss_mask`` [T] (uint8), ``hidden_states``
 [T, aux*H] (bf16), ``verifier_last_hidden_states`` [T, H] (bf16) and ``offsets`` [n+1]; per token that is
-(aux+1) x H x 2 bytes of hidden state, the bf16 minimum. ``manifest.json`` names the verifier, the layer ids,
-the shapes, the counts, each shard's sha256, and the data digest.
+(aux+1) x H x 2 bytes of hidden state. With ``--hidden-storage fp8`` both hidden-state tensors are E4M3 with a
+float32 scale per token and layer beside them (``hidden_states_scale`` [T, aux], ``verifier_last_hidden_states_scale``
+[T, 1]; :mod:`draftline.data.fp8`), half the bytes, read back to bf16 sample by sample. ``manifest.json`` names
+the verifier, the layer ids, the shapes, the storage, the counts, each shard's sha256, and the data digest.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from draftline.data import fp8
 from draftline.data.inputs import MANIFEST, read_manifest
 from draftline.data.verify import verify_all
 from draftline.disk_space import require_free, room_for
@@ -29,8 +33,12 @@ FREQS = "token_freqs.safetensors"
 FORMAT_VERSION = 1
 
 
-def write_shard(path: Path, records: list[dict[str, torch.Tensor]]) -> dict:
-    """Write one shard atomically (temp file + rename); returns its manifest entry."""
+HIDDEN = ("hidden_states", "verifier_last_hidden_states")
+
+
+def write_shard(path: Path, records: list[dict[str, torch.Tensor]], storage: str = "bf16") -> dict:
+    """Write one shard atomically (temp file + rename), its hidden states in ``storage`` (bf16, or fp8: E4M3
+    with a scale per token and layer); returns its manifest entry."""
     lengths = [int(r["input_ids"].numel()) for r in records]
     offsets = torch.zeros(len(records) + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(torch.tensor(lengths), 0)
@@ -41,6 +49,10 @@ def write_shard(path: Path, records: list[dict[str, torch.Tensor]]) -> dict:
         "verifier_last_hidden_states": torch.cat([r["verifier_last_hidden_states"] for r in records]),
         "offsets": offsets,
     }
+    if storage == "fp8":
+        hidden = tensors["verifier_last_hidden_states"].shape[-1]
+        for name in HIDDEN:
+            tensors[name], tensors[name + fp8.SCALE_SUFFIX] = fp8.quantize(tensors[name], hidden)
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp))
     os.replace(tmp, path)
@@ -66,9 +78,10 @@ class ShardWriter:
     same batch as an uninterrupted one and writes the same bytes.
     """
 
-    def __init__(self, out_dir: Path, key: str, shard_tokens: int, vocab_size: int, *, check_room: bool = True):
+    def __init__(self, out_dir: Path, key: str, shard_tokens: int, vocab_size: int, *, check_room: bool = True,
+                 storage: str = "bf16"):
         self.out_dir, self.key, self.shard_tokens = Path(out_dir), key, shard_tokens
-        self.check_room = check_room
+        self.check_room, self.storage = check_room, storage
         self.freqs = torch.zeros(vocab_size, dtype=torch.long)
         self.entries: list[dict] = []
         self.pending: list[dict[str, torch.Tensor]] = []
@@ -116,12 +129,13 @@ class ShardWriter:
             kept = (f"{len(self.entries)} finished shards are kept in {self.out_dir}; free space there and run the "
                     "same prepare again: it resumes after them")
             if self.check_room:  # a disk that filled since the run began stops it before a shard, not inside one
-                need = sum(t.numel() * t.element_size() for r in self.pending for t in r.values())
+                need = sum(t.numel() * (1 if self.storage == "fp8" and k in HIDDEN else t.element_size())
+                           for r in self.pending for k, t in r.items())
                 require_free(self.out_dir, int(need * 1.05) + (1 << 20), what=f"the next shard ({path.name})",
                              fix=kept)
             try:
                 with room_for(self.out_dir, space_fix=kept, size_fix=kept):
-                    entry = write_shard(path, self.pending)
+                    entry = write_shard(path, self.pending, self.storage)
             finally:
                 path.with_suffix(".tmp").unlink(missing_ok=True)  # a shard cut short by a full disk
             self.entries.append(entry)
@@ -183,6 +197,9 @@ class PreparedData:
                 raise DataError(f"cannot read shard {path}: {e}") from None
             offs = t["offsets"].tolist()
             for a, b in zip(offs[:-1], offs[1:]):
+                if "hidden_states" + fp8.SCALE_SUFFIX in t:
+                    out.append(Fp8Sample(t, a, b))
+                    continue
                 out.append({
                     "input_ids": t["input_ids"][a:b],
                     "loss_mask": t["loss_mask"][a:b].to(torch.bool),
@@ -190,6 +207,31 @@ class PreparedData:
                     "verifier_last_hidden_states": t["verifier_last_hidden_states"][a:b],
                 })
         return out
+
+
+class Fp8Sample(Mapping):
+    """A sample of an fp8 shard, read as a bf16 one: its hidden states are dequantized each time they are read,
+    so only the batch being built holds them in bf16 (the shard stays memory-mapped at half the bytes)."""
+
+    KEYS = ("input_ids", "loss_mask", *HIDDEN)
+
+    def __init__(self, tensors: dict[str, torch.Tensor], start: int, end: int):
+        self.t, self.a, self.b = tensors, start, end
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in HIDDEN:
+            return fp8.dequantize(self.t[key][self.a:self.b], self.t[key + fp8.SCALE_SUFFIX][self.a:self.b])
+        if key == "loss_mask":
+            return self.t[key][self.a:self.b].to(torch.bool)
+        if key == "input_ids":
+            return self.t[key][self.a:self.b]
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.KEYS)
+
+    def __len__(self) -> int:
+        return len(self.KEYS)
 
 
 def _shard_root(data_dir: Path, manifest: dict) -> Path:

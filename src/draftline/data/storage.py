@@ -7,8 +7,9 @@ A shard token holds (aux + 1) x hidden hidden-state values in bf16 (``hidden_sta
 safetensors header and the offsets are a few hundred bytes per shard. For Kimi-K2.5 (hidden 7168, three aux
 layers) that is 57,353 bytes a token: 25,000 samples of 3,000 tokens are 4.3 TB.
 
-bf16 is the only storage draftline offers today: the shards hold what the verifier computed, to its own
-precision, and training reads them as they are.
+``--hidden-storage fp8`` stores the hidden states in E4M3 with a float32 scale per token and layer
+(:mod:`draftline.data.fp8`): (aux + 1) x (hidden + 4) bytes of hidden state a token, 28,697 bytes in all for
+Kimi-K2.5 (0.50x): 2.2 TB for those samples.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from draftline.disk_space import require_free
 from draftline.errors import ConfigError
 
 TOKEN_ID_BYTES, MASK_BYTES = 8, 1  # int64 input_ids, uint8 loss_mask
-HIDDEN_BYTES = {"bf16": 2}
+HIDDEN_BYTES = {"bf16": 2, "fp8": 1}
+SCALE_BYTES = {"bf16": 0, "fp8": 4}  # fp8: one float32 scale per token and captured layer
 # The mission's first run, planned before its conversations exist: 25,000 samples of Kimi-K2.5's own answers,
 # reasoning included (2,000-4,000 tokens a sample).
 DEFAULT_SAMPLES, DEFAULT_TOKENS_PER_SAMPLE = 25_000, 3_000
@@ -53,7 +55,7 @@ def verifier_hidden_size(source: str | Path) -> tuple[int, str]:
 
 def token_bytes(hidden_size: int, num_aux: int, storage: str = "bf16") -> int:
     """Bytes one token takes in a shard."""
-    return (num_aux + 1) * hidden_size * HIDDEN_BYTES[storage] + TOKEN_ID_BYTES + MASK_BYTES
+    return (num_aux + 1) * (hidden_size * HIDDEN_BYTES[storage] + SCALE_BYTES[storage]) + TOKEN_ID_BYTES + MASK_BYTES
 
 
 @dataclass(frozen=True)

@@ -290,7 +290,9 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
         "interconnect": moved, "recommended_stage": best, "recommended_because": why,
         "verifier": None if verifier is None else str(verifier),
         "storage": {**shards.as_dict(), "needed_bytes": shards.needed,
-                    "offered": list(storage.HIDDEN_BYTES)},
+                    "offered": list(storage.HIDDEN_BYTES),
+                    "bytes_by_storage": {s: storage.token_bytes(counts["shape"]["hidden_size"], counts["shape"]["num_aux"], s)
+                                         * shards.tokens for s in storage.HIDDEN_BYTES}},
     }
 
 
