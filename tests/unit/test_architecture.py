@@ -165,3 +165,12 @@ def test_the_module_map_names_every_module():
     missing = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
                      if p.name != "__init__.py" and p.name not in text)
     assert not missing, f"docs/architecture.md does not name: {', '.join(missing)}"
+
+
+def test_a_test_in_tests_unit_is_a_unit_test():
+    """The quick loop runs tests/unit: nothing there is marked integration or benchmark (those live in
+    tests/integration, where `pytest -m` and the tiers expect them)."""
+    unit = Path(__file__).resolve().parent
+    marked = [p.name for p in unit.glob("test_*.py")
+              if re.search(r"pytest\.mark\.(integration|benchmark)|marks=pytest\.mark\.", p.read_text())]
+    assert marked == [], marked
