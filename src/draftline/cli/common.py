@@ -112,7 +112,8 @@ def _click_type(annotation) -> click.ParamType:
     inner = [a for a in args if a is not type(None)] if args else [annotation]
     if _is_list(annotation) or len(inner) != 1:
         return _OrUnset(click.STRING)
-    return _OrUnset({int: click.INT, float: click.FLOAT, bool: click.BOOL}.get(inner[0], click.STRING))
+    types: dict[object, click.ParamType] = {int: click.INT, float: click.FLOAT, bool: click.BOOL}
+    return _OrUnset(types.get(inner[0], click.STRING))
 
 
 def _bounds(field) -> str:

@@ -183,9 +183,9 @@ class PreparedData:
             out += [b - a for a, b in zip(offs[:-1], offs[1:])]
         return out
 
-    def records(self) -> list[dict[str, torch.Tensor]]:
+    def records(self) -> list[Mapping[str, torch.Tensor]]:
         """Every sample as views into memory-mapped shards (nothing is copied until used)."""
-        out = []
+        out: list[Mapping[str, torch.Tensor]] = []
         for entry in self.manifest["shards"]:
             path = (self.shard_root or self.root) / entry["file"]
             if not path.is_file():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 
 def batch_plan(lengths: Sequence[int], tokens_per_batch: int, *, seed: int, epoch: int) -> list[list[int]]:
@@ -40,8 +40,8 @@ def _planned(plans: list[list[list[int]]], lengths: Sequence[int], tokens_per_ba
         epoch += 1
 
 
-def batches(records: Sequence[dict], tokens_per_batch: int, *, seed: int = 0, rank: int = 0,
-            world_size: int = 1, start_step: int = 0) -> Iterator[list[dict]]:
+def batches(records: Sequence[Mapping], tokens_per_batch: int, *, seed: int = 0, rank: int = 0,
+            world_size: int = 1, start_step: int = 0) -> Iterator[list[Mapping]]:
     """Endless stream of this rank's batches; global step ``s`` uses batch ``s * world_size + rank`` of the
     concatenated epoch plans, so a run resumed at ``start_step`` sees exactly the batches it would have seen."""
     lengths = [int(r["input_ids"].numel()) for r in records]
@@ -52,8 +52,8 @@ def batches(records: Sequence[dict], tokens_per_batch: int, *, seed: int = 0, ra
         step += 1
 
 
-def micro_steps(records: Sequence[dict], tokens_per_batch: int, micro_batch_tokens: int, *, seed: int = 0,
-                rank: int = 0, world_size: int = 1, start_step: int = 0) -> Iterator[list[list[dict]]]:
+def micro_steps(records: Sequence[Mapping], tokens_per_batch: int, micro_batch_tokens: int, *, seed: int = 0,
+                rank: int = 0, world_size: int = 1, start_step: int = 0) -> Iterator[list[list[Mapping]]]:
     """:func:`batches`, each step split into micro-batches (:func:`split_even`): as many as the rank whose
     batch splits into the fewest needs (``micro_batch_tokens`` each at most, one sample each at least), the
     same number on every rank, since ZeRO-2 reduces the gradients of every micro-batch together. Each rank
@@ -68,11 +68,11 @@ def micro_steps(records: Sequence[dict], tokens_per_batch: int, micro_batch_toke
         step += 1
 
 
-def split_even(samples: Sequence[dict], parts: int) -> list[list[dict]]:
+def split_even(samples: Sequence[Mapping], parts: int) -> list[list[Mapping]]:
     """``samples`` in order, cut into exactly ``parts`` groups (``parts`` <= len(samples)) of about equal
     tokens."""
     lengths = [int(s["input_ids"].numel()) for s in samples]
-    total, groups, current, used = sum(lengths), list[list[dict]](), list[dict](), 0
+    total, groups, current, used = sum(lengths), list[list[Mapping]](), list[Mapping](), 0
     for i, sample in enumerate(samples):
         current.append(sample)
         used += lengths[i]

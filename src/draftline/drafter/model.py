@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from speculators.models.eagle3 import Eagle3DraftModel, shift_batch
@@ -77,7 +77,7 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
 PAIRING = "vllm-shifted"  # recorded as the ``train.pairing`` param and version tag (docs/design.md: the pairing)
 
 
-def pack(records: Sequence[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def pack(records: Sequence[Mapping[str, torch.Tensor]], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Pack samples, each shifted into the pairing vLLM serves, into one ``[1, total]`` sequence (no padding).
 
     Every sample first goes through speculators' own ``shift_batch``, as its trainer does: the verifier's hidden
@@ -167,7 +167,7 @@ def accumulate(into: dict[str, float], metrics: dict[str, torch.Tensor]) -> dict
 
 
 @torch.no_grad()
-def metric_sums(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps: int, tokens_per_batch: int,
+def metric_sums(model, records: Sequence[Mapping[str, torch.Tensor]], *, ttt_steps: int, tokens_per_batch: int,
                 dtype: torch.dtype, device: torch.device | str = "cpu", loss_cfg=None, rank: int = 0,
                 world: int = 1, progress: bool = False) -> dict[str, float]:
     """Summed ``*_sum``/``*_total`` metrics of ``model`` over ``records`` in fixed token-budget chunks (the same
@@ -191,7 +191,7 @@ def metric_sums(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps:
     return sums
 
 
-def train_steps_in_process(model, records: Sequence[dict[str, torch.Tensor]], *, steps: int, lr: float,
+def train_steps_in_process(model, records: Sequence[Mapping[str, torch.Tensor]], *, steps: int, lr: float,
                            ttt_steps: int = 3, tokens_per_batch: int = 2048, seed: int = 0,
                            progress: bool = False, callback=None, callback_every: int = 0) -> dict[str, float]:
     """A bare PyTorch AdamW loop (one process, no DeepSpeed): the tiny parent's trainer and the benchmark floor.

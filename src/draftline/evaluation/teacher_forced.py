@@ -10,21 +10,21 @@ length vLLM should report for them, when the replies are the verifier's own gree
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from draftline.drafter.model import metric_sums, summarise
 
 
-def measure(model, records: Sequence[dict[str, torch.Tensor]], *, ttt_steps: int, tokens_per_batch: int = 4096,
+def measure(model, records: Sequence[Mapping[str, torch.Tensor]], *, ttt_steps: int, tokens_per_batch: int = 4096,
             progress: bool = False) -> dict[str, float]:
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
     return summarise(metric_sums(model, records, ttt_steps=ttt_steps, tokens_per_batch=tokens_per_batch,
                                  dtype=dtype, progress=progress), ttt_steps)
 
 
-def _prompted(records: Sequence[dict[str, torch.Tensor]]):
+def _prompted(records: Sequence[Mapping[str, torch.Tensor]]):
     """``(record, first)`` for each sample with a prompt, ``first`` being its first assistant (loss-masked)
     token (its length when it has none). Samples that start with an assistant token are left out."""
     for r in records:
@@ -34,13 +34,13 @@ def _prompted(records: Sequence[dict[str, torch.Tensor]]):
             yield r, first
 
 
-def prompts_of(records: Sequence[dict[str, torch.Tensor]]) -> list[list[int]]:
+def prompts_of(records: Sequence[Mapping[str, torch.Tensor]]) -> list[list[int]]:
     """Each sample's prompt: its tokens before the first assistant (loss-masked) token. Samples whose first
     token is already an assistant token (nothing to prompt with) are left out."""
     return [r["input_ids"][:first].tolist() for r, first in _prompted(records)]
 
 
-def served_replies(records: Sequence[dict[str, torch.Tensor]], max_prompts: int | None,
+def served_replies(records: Sequence[Mapping[str, torch.Tensor]], max_prompts: int | None,
                    max_new_tokens: int) -> list[dict[str, torch.Tensor]]:
     """The samples of :func:`prompts_of`'s first ``max_prompts`` prompts, each cut after the first
     ``max_new_tokens`` tokens of its first reply: the tokens a measured evaluation asks the server for."""

@@ -17,6 +17,7 @@ import random
 import socket
 import time
 import uuid
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -246,7 +247,7 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
                    f"dry run: models:/{name}/{version} would move to {stage}; nothing changed")
         return {"results": results, "version": version, "stage": stage, "changed": False, "message": message}
 
-    token, tried = uuid.uuid4().hex, list[bool]()  # one lock token for every try; ``tried``: a try began writing
+    token, tried = uuid.uuid4().hex, Attempt()  # one lock token for every try
 
     def change():
         with promotion_lock(client, name, token=token):
@@ -254,8 +255,8 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
             truth = sync_stages(client, name, repaired)  # also finishes what a cut-off earlier try had begun
             results = check(truth)  # against the holder as it is now, with no other promotion in between
             if truth[stage] == version:  # held already (its stage put back on it just now, perhaps)
-                return results, bool(tried) or stage in repaired
-            tried.append(True)
+                return results, tried.began or stage in repaired
+            tried.began = True
             key = stage.lower()
             tags = {f"promoted.{key}.by": getpass.getuser(), f"promoted.{key}.at": _now(),
                     f"promoted.{key}.policy": policy_file.name,
@@ -269,6 +270,18 @@ def promote(client, name: str, version: str, stage: str, *, policy_file: str | P
     message = (f"models:/{name}/{version} is now {stage} (alias @{stage.lower()})" if changed else
                f"models:/{name}/{version} already holds {stage} (alias @{stage.lower()}); nothing changed")
     return {"results": results, "version": version, "stage": stage, "changed": changed, "message": message}
+
+
+@dataclass
+class Attempt:
+    """What an earlier try of the same promotion or rollback began to write. A try cut off by a restarting server
+    is run again (:func:`_guarded`); the next one reads the registry afresh and uses this to tell its own change,
+    made before the cut, from one nobody made."""
+
+    began: bool = False
+    to: str | None = None  # rollback: the version it put in Production
+    previous: str | None = None  # rollback: the version that held Production before
+    results: list = field(default_factory=list)
 
 
 def rollback(client, name: str, *, to: str | None = None, reason: str, policy_file: str | Path | None = None
@@ -288,13 +301,13 @@ def rollback(client, name: str, *, to: str | None = None, reason: str, policy_fi
         "min_metrics": {k: v for k, v in policy.min_metrics.items() if not k.startswith("eval/")},
         "not_worse_than_parent": None if parent_rule and parent_rule.metric.startswith("eval/") else parent_rule})
 
-    token, tried = uuid.uuid4().hex, dict[str, object]()  # one lock token for every try; ``tried``: what a try began to write
+    token, tried = uuid.uuid4().hex, Attempt()  # one lock token for every try
 
     def change():
         with promotion_lock(client, name, token=token):
             truth = sync_stages(client, name)  # also finishes what a cut-off earlier try had begun
-            if tried and truth["Production"] == tried["to"]:  # an earlier try got through before the cut
-                return tried["results"], tried["to"], tried["from"]
+            if tried.began and truth["Production"] == tried.to:  # an earlier try got through before the cut
+                return tried.results, tried.to, tried.previous
             current = truth["Production"]
             if current is None:
                 raise RegistryError(f"no version of {name} is in Production: nothing to roll back; promote one")
@@ -314,7 +327,7 @@ def rollback(client, name: str, *, to: str | None = None, reason: str, policy_fi
             tags = {"rolled_back.by": getpass.getuser(), "rolled_back.at": _now(), "rolled_back.reason": reason,
                     "rolled_back.from": current, "promoted.production.previous": current}
             vacate = next((s for s, v in truth.items() if v == str(mv.version) and s != "Production"), None)
-            tried.update(to=str(mv.version), results=results, **{"from": current})
+            tried.began, tried.to, tried.results, tried.previous = True, str(mv.version), results, current
             _move(client, name, str(mv.version), "Production", tags, vacate=vacate)
             sync_stages(client, name)
             return results, str(mv.version), current
