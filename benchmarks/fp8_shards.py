@@ -99,7 +99,7 @@ def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24) -> dict:
     summary["fp8 / bf16 bytes"] = f"{sides['fp8']['shard_bytes'] / sides['bf16']['shard_bytes']:.3f}"
     if d is not None:
         summary["fp8 - bf16, paired by prompt"] = f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
-    return {"summary": summary, "sides": sides, "steps": steps, "seed": seed, "data": train_ref,
+    return {"summary": summary, "shape": "kimi", "sides": sides, "steps": steps, "seed": seed, "data": train_ref,
             "evaluation_set": evalset, "max_new_tokens": max_new_tokens,
             "paired_fp8_minus_bf16": None if d is None else {"value": d.value, "low": d.low, "high": d.high,
                                                              "prompts": d.n},

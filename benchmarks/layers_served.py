@@ -100,7 +100,8 @@ def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24, concurrency: 
             if d is not None:
                 paired = {"value": d.value, "low": d.low, "high": d.high, "prompts": d.n}
                 summary["mla - llama, paired by prompt"] = f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
-    return {"summary": summary, "sides": sides, "paired_mla_minus_llama": paired, "steps": steps, "seed": seed,
+    return {"summary": summary, "shape": "kimi", "sides": sides, "paired_mla_minus_llama": paired, "steps": steps,
+            "seed": seed,
             "data": data, "evaluation_set": evalset, "max_new_tokens": max_new_tokens, "concurrency": concurrency,
             "amx": "amx" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else None,
             "method": "from random init, the same vLLM-answered data, steps, seed, draft vocabulary 256, lr 3e-3, "

@@ -99,6 +99,8 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
                           help="observe's window (default: %(default)s)")),
         ("--verifier", dict(default=None, metavar="DIR", help="the verifier here (default: its lineage's path)"))]),
     "plan": ("both Kimi drafters on 8 x RTX PRO 6000 (PCIe), per ZeRO stage; the shards of 25,000 samples", []),
+    "ci": ("CI's time: a fresh clone of a commit, its .ci/run as CI runs it", [
+        ("--ref", dict(default="HEAD", metavar="REF", help="the commit to clone and run (default: %(default)s)"))]),
     "registry": ("register -> pull through a local mlflow server vs MLflow's own upload / download", [
         shape("real", "real (2.3 GB) or tiny"),
         ("--on", dict(default="disk", choices=("disk", "reflink"),
