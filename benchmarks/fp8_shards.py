@@ -15,17 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.speed import latest_run
+
 ROOT = Path(__file__).resolve().parents[1]
 STORAGES = ("bf16", "fp8")
-
-
-def _latest_prepare(client, name: str) -> str:
-    exps = [e.experiment_id for e in client.search_experiments()]
-    for r in client.search_runs(exps, "tags.`draftline.step` = 'prepare' and attributes.status = 'FINISHED'",
-                                order_by=["attributes.start_time DESC"]):
-        if r.data.params.get("name") == name or r.info.run_name == name:
-            return f"runs:/{r.info.run_id}/data"
-    raise SystemExit(f"no finished prepare run named {name}: run ./demo_kimi.sh first")
 
 
 def _as_fp8(src: Path, dest: Path) -> Path:
@@ -53,7 +46,11 @@ def _as_fp8(src: Path, dest: Path) -> Path:
 
 
 def _bytes(d: Path) -> int:
-    return sum(f.stat().st_size for f in d.glob("shard-*.safetensors"))
+    """The shards' bytes where they lie (a downloaded data set's manifest names their location)."""
+    from draftline.data.shards import open_prepared
+
+    data = open_prepared(d)
+    return sum(((data.shard_root or d) / e["file"]).stat().st_size for e in data.manifest["shards"])
 
 
 def _finetune(data: str, evalset: str, steps: int, seed: int) -> str:
@@ -78,7 +75,7 @@ def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24) -> dict:
     from draftline.registry.confidence import paired_difference, read_per_prompt
 
     client = MlflowClient()
-    train_ref, evalset = _latest_prepare(client, "conversations"), _latest_prepare(client, "evaluation")
+    train_ref, evalset = (f"runs:/{latest_run('prepare', name)}/data" for name in ("conversations", "evaluation"))
     bf16_dir = resolve_data(train_ref)
     dirs = {"bf16": bf16_dir, "fp8": _as_fp8(bf16_dir, ROOT / "work" / "fp8-shards" / bf16_dir.name)}
     sides: dict[str, dict] = {}

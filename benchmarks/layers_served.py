@@ -20,17 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.speed import latest_run
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("llama", "mla")
-
-
-def _latest_prepare(client, name: str) -> str:
-    exps = [e.experiment_id for e in client.search_experiments()]
-    for r in client.search_runs(exps, "tags.`draftline.step` = 'prepare' and attributes.status = 'FINISHED'",
-                                order_by=["attributes.start_time DESC"]):
-        if r.data.params.get("name") == name or r.info.run_name == name:
-            return f"runs:/{r.info.run_id}/data"
-    raise SystemExit(f"no finished prepare run named {name}: run ./demo_kimi.sh first")
 
 
 def _finetune(layer: str, data: str, evalset: str, steps: int, seed: int) -> str:
@@ -56,6 +49,22 @@ def _evaluate(run_id: str, evalset: str, max_new_tokens: int, concurrency: str) 
         return {"not_served": str(e)}
 
 
+def summarize(sides: dict[str, dict], paired: dict | None) -> dict[str, str]:
+    """The headline lines of a result (``python -m benchmarks.layers_served FILE`` writes them again)."""
+    summary = {}
+    for layer, s in sides.items():
+        if "not_served" in s:
+            summary[f"{layer} served"] = f"not served here: {s['not_served'][:160]}"
+            continue
+        speed = ", ".join(f"{c} x{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]" for c, v in s["speedup"].items())
+        summary[f"{layer} served"] = (f"{s['served']:.3f} [{s['served_low']:.3f}, {s['served_high']:.3f}] on "
+                                      f"{s['prompts']} prompts; speed-up {speed}; trained params "
+                                      f"{s['trained_params']:,}; training {s['train_tokens_per_s']:.0f} tokens/s")
+    if paired:
+        summary["mla - llama, paired by prompt"] = f"{paired['value']:+.3f} [{paired['low']:+.3f}, {paired['high']:+.3f}]"
+    return summary
+
+
 def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24, concurrency: str = "1") -> dict:
     os.environ.setdefault("DRAFTLINE_TINY_KIMI_DIR", str(ROOT / "work" / "tiny-kimi"))
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlflow.db'}")
@@ -64,7 +73,7 @@ def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24, concurrency: 
     from draftline.registry.confidence import paired_difference, read_per_prompt
 
     client = MlflowClient()
-    data, evalset = _latest_prepare(client, "conversations"), _latest_prepare(client, "evaluation")
+    data, evalset = (f"runs:/{latest_run('prepare', name)}/data" for name in ("conversations", "evaluation"))
     sides: dict[str, dict] = {}
     for layer in LAYERS:
         run_id = _finetune(layer, data, evalset, steps, seed)
@@ -83,27 +92,23 @@ def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24, concurrency: 
                         served_high=metrics.get("eval/measured/acceptance_length_high"), prompts=out["prompts"],
                         speedup={c: v for c, v in out.get("speedup", {}).items()})
         sides[layer] = side
-    summary = {}
-    for layer, s in sides.items():
-        if "not_served" in s:
-            summary[f"{layer} served"] = f"not served here: {s['not_served'][:160]}"
-            continue
-        speed = ", ".join(f"c{c} x{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]" for c, v in s["speedup"].items())
-        summary[f"{layer} served"] = (f"{s['served']:.3f} [{s['served_low']:.3f}, {s['served_high']:.3f}] on "
-                                      f"{s['prompts']} prompts; speed-up {speed}; trained params "
-                                      f"{s['trained_params']}; training {s['train_tokens_per_s']:.0f} tokens/s")
     paired = None
     if all("evaluation_run" in s for s in sides.values()):
         mla, llama = (read_per_prompt(client, sides[k]["evaluation_run"]) for k in ("mla", "llama"))
-        if mla and llama:
-            d = paired_difference(mla, llama)
-            if d is not None:
-                paired = {"value": d.value, "low": d.low, "high": d.high, "prompts": d.n}
-                summary["mla - llama, paired by prompt"] = f"{d.value:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"
-    return {"summary": summary, "shape": "kimi", "sides": sides, "paired_mla_minus_llama": paired, "steps": steps,
+        d = paired_difference(mla, llama) if mla and llama else None
+        if d is not None:
+            paired = {"value": d.value, "low": d.low, "high": d.high, "prompts": d.n}
+    return {"summary": summarize(sides, paired), "shape": "kimi", "sides": sides, "paired_mla_minus_llama": paired, "steps": steps,
             "seed": seed,
             "data": data, "evaluation_set": evalset, "max_new_tokens": max_new_tokens, "concurrency": concurrency,
             "amx": "amx" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else None,
             "method": "from random init, the same vLLM-answered data, steps, seed, draft vocabulary 256, lr 3e-3, "
                       "ZeRO-2 on 2 CPU ranks; evaluate on vLLM (bf16) on the same held-out prompts, k=3; "
                       "intervals: bootstrap over prompts (95%), paired by prompt for the difference"}
+
+
+if __name__ == "__main__":  # rewrite a result's summary from its figures
+    path = Path(sys.argv[1])
+    result = json.loads(path.read_text())
+    result["summary"] = summarize(result["sides"], result["paired_mla_minus_llama"])
+    path.write_text(json.dumps(result, indent=2) + "\n")

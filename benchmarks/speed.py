@@ -15,16 +15,19 @@ import os
 from pathlib import Path
 
 
-def _latest(step: str, name: str | None = None) -> str:
+def latest_run(step: str, name: str | None = None) -> str:
+    """The newest finished run of ``step``; for prepare, of the data set ``name`` (``prepare --name``: its run's
+    dataset input)."""
     from mlflow import MlflowClient
 
     client = MlflowClient()
     exps = [e.experiment_id for e in client.search_experiments()]
     filt = f"tags.`draftline.step` = '{step}' and attributes.status = 'FINISHED'"
     for r in client.search_runs(exps, filt, order_by=["attributes.start_time DESC"]):
-        if name is None or r.data.params.get("name") == name or r.info.run_name == name:
+        if name is None or name in {d.dataset.name for d in r.inputs.dataset_inputs}:
             return r.info.run_id
-    raise SystemExit(f"no finished {step} run{f' named {name}' if name else ''}: run the shape's demo first")
+    raise SystemExit(f"no finished {step} run{f' of the data set {name}' if name else ''}: run the shape's demo "
+                     "first")
 
 
 def _drafter(shape: str) -> str:
@@ -33,7 +36,7 @@ def _drafter(shape: str) -> str:
         if not summary.is_file():
             raise SystemExit("no work/real/summary.json: run ./demo_real.sh first")
         return f"runs:/{json.loads(summary.read_text())['child_finetune_run']}"
-    return f"runs:/{_latest('finetune')}"
+    return f"runs:/{latest_run('finetune')}"
 
 
 def run(shape: str = "kimi", target: str | None = None, data: str | None = None, concurrency: str = "1,8",
@@ -44,7 +47,7 @@ def run(shape: str = "kimi", target: str | None = None, data: str | None = None,
     from draftline.evaluation.stage import run as evaluate
 
     target = target or _drafter(shape)
-    data = data or f"runs:/{_latest('prepare', 'evaluation')}/data"
+    data = data or f"runs:/{latest_run('prepare', 'evaluation')}/data"
     out = evaluate(EvaluateConfig(target=target, data=data, max_new_tokens=max_new_tokens, max_prompts=max_prompts,
                                   speed_concurrency=concurrency, sweep_k=sweep_k, backend="vllm"),
                    progress=False)
