@@ -76,7 +76,7 @@ def test_shards_round_trip_with_bf16_minimum_storage(prepared, tiny):
     assert r["hidden_states"].dtype == torch.bfloat16 and r["loss_mask"].dtype == torch.bool
     shard_bytes = sum((prepared / s["file"]).stat().st_size for s in m["shards"])
     floor = m["tokens"] * (3 + 1) * h * 2
-    assert m["bytes_per_token"] == 4 * h * 2
+    assert m["bytes_per_token"] == 4 * h * 2 + 8 + 1 and m["hidden_storage"] == "bf16"  # + id and mask
     assert floor <= shard_bytes <= floor * 1.02  # ids/masks/headers add < 2% at this hidden size
 
 
