@@ -136,9 +136,10 @@ def test_a_parents_layer_decides_and_a_contrary_setting_is_refused(deepseek_veri
     assert layer_kind(layer_config(deepseek_verifier, parent)) == "mla"
     with pytest.raises(ParentMismatch, match="--drafter-layer mla"):
         layer_config(deepseek_verifier, parent, "llama")
-    wrong = {**parent, "kv_lora_rank": 256}
-    with pytest.raises(ParentMismatch, match="kv_lora_rank 256"):
-        layer_config(deepseek_verifier, wrong)
+    for dim in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):  # each of the verifier's
+        wrong = {**parent, dim: parent[dim] * 2}
+        with pytest.raises(ParentMismatch, match=f"{dim} {parent[dim] * 2}"):
+            layer_config(deepseek_verifier, wrong)
     with pytest.raises(ParentMismatch, match="model_type 'deepseek_v3'"):
         layer_config(deepseek_verifier, {**parent, "model_type": "deepseek_v3"})
 
@@ -196,3 +197,16 @@ def test_the_kimi_k25_mla_catalog_parent_loads_strictly_from_a_hub_cache(deepsee
     assert is_mla_drafter(loaded)
     assert torch.equal(loaded.layers[0].self_attn.kv_a_proj_with_mqa.weight,
                        model.layers[0].self_attn.kv_a_proj_with_mqa.weight)
+
+
+def test_mla_for_a_llama_verifiers_data_is_one_line_exit_2_and_no_run(workspace, prepared):
+    """The command a user types: the tiny (Llama) verifier's data with --drafter-layer mla."""
+    from mlflow import MlflowClient
+
+    r = CliRunner().invoke(cli, ["finetune", "--data", str(prepared), "--init", "random", "--drafter-layer", "mla",
+                                 "--steps", "1"])
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "has no MLA attention" in errors[0], r.output
+    assert "--drafter-layer" in errors[0] and "Traceback" not in r.output
+    client = MlflowClient()
+    assert not client.search_runs([e.experiment_id for e in client.search_experiments()])
