@@ -9,13 +9,10 @@ acceptance with its interval, the paired difference fp8 minus bf16 prompt by pro
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from benchmarks.speed import latest_run
+from benchmarks.demo_runs import finetune_kimi, latest_run
 
 ROOT = Path(__file__).resolve().parents[1]
 STORAGES = ("bf16", "fp8")
@@ -53,17 +50,6 @@ def _bytes(d: Path) -> int:
     return sum(((data.shard_root or d) / e["file"]).stat().st_size for e in data.manifest["shards"])
 
 
-def _finetune(data: str, evalset: str, steps: int, seed: int) -> str:
-    cmd = [sys.executable, "-m", "draftline.cli", "finetune", "--data", data, "--eval-data", evalset,
-           "--init", "tiny-kimi-mla", "--vocab", "rebuild", "--draft-vocab-size", "256", "--gpus", "2",
-           "--zero-stage", "2", "--steps", str(steps), "--tokens-per-batch", "512", "--lr", "3e-3",
-           "--warmup-steps", "0", "--val-every", str(steps), "--seed", str(seed)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"finetune on {data} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout)["run_id"]
-
-
 def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24) -> dict:
     os.environ.setdefault("DRAFTLINE_TINY_KIMI_DIR", str(ROOT / "work" / "tiny-kimi"))
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlflow.db'}")
@@ -80,7 +66,8 @@ def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24) -> dict:
     dirs = {"bf16": bf16_dir, "fp8": _as_fp8(bf16_dir, ROOT / "work" / "fp8-shards" / bf16_dir.name)}
     sides: dict[str, dict] = {}
     for storage in STORAGES:
-        run_id = _finetune(str(dirs[storage]), evalset, steps, seed)
+        run_id = finetune_kimi(str(dirs[storage]), evalset, steps=steps, seed=seed,
+                               side=["--init", "tiny-kimi-mla", "--vocab", "rebuild"])
         out = evaluate(EvaluateConfig(target=f"runs:/{run_id}", data=evalset, max_new_tokens=max_new_tokens,
                                       speed_concurrency="off", backend="vllm"), progress=False)
         m = client.get_run(out["run_id"]).data.metrics

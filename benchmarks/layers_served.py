@@ -15,26 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.speed import latest_run
+from benchmarks.demo_runs import finetune_kimi, latest_run
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("llama", "mla")
-
-
-def _finetune(layer: str, data: str, evalset: str, steps: int, seed: int) -> str:
-    cmd = [sys.executable, "-m", "draftline.cli", "finetune", "--data", data, "--eval-data", evalset,
-           "--init", "random", "--drafter-layer", layer, "--draft-vocab-size", "256", "--gpus", "2",
-           "--zero-stage", "2", "--steps", str(steps), "--tokens-per-batch", "512", "--lr", "3e-3",
-           "--warmup-steps", "0", "--val-every", str(steps), "--seed", str(seed)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"finetune --drafter-layer {layer} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout)["run_id"]
 
 
 def _evaluate(run_id: str, evalset: str, max_new_tokens: int, concurrency: str) -> dict:
@@ -76,7 +64,7 @@ def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24, concurrency: 
     data, evalset = (f"runs:/{latest_run('prepare', name)}/data" for name in ("conversations", "evaluation"))
     sides: dict[str, dict] = {}
     for layer in LAYERS:
-        run_id = _finetune(layer, data, evalset, steps, seed)
+        run_id = finetune_kimi(data, evalset, steps=steps, seed=seed, side=["--init", "random", "--drafter-layer", layer])
         train = client.get_run(run_id).data
         out = _evaluate(run_id, evalset, max_new_tokens, concurrency)
         plan = client.download_artifacts(run_id, "plan.json", tempfile.mkdtemp())

@@ -14,20 +14,7 @@ import json
 import os
 from pathlib import Path
 
-
-def latest_run(step: str, name: str | None = None) -> str:
-    """The newest finished run of ``step``; for prepare, of the data set ``name`` (``prepare --name``: its run's
-    dataset input)."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient()
-    exps = [e.experiment_id for e in client.search_experiments()]
-    filt = f"tags.`draftline.step` = '{step}' and attributes.status = 'FINISHED'"
-    for r in client.search_runs(exps, filt, order_by=["attributes.start_time DESC"]):
-        if name is None or name in {d.dataset.name for d in r.inputs.dataset_inputs}:
-            return r.info.run_id
-    raise SystemExit(f"no finished {step} run{f' of the data set {name}' if name else ''}: run the shape's demo "
-                     "first")
+from benchmarks.demo_runs import latest_run
 
 
 def _drafter(shape: str) -> str:
