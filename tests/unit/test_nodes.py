@@ -61,3 +61,37 @@ def test_the_hostfile_path_inside_a_slurm_allocation_is_not_a_per_node_job():
 def test_world_size_of_a_per_process_launcher_counts_processes_not_nodes():
     assert not _place({"WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8",
                        "MASTER_ADDR": "a"}).multi
+
+
+def _spec(tmp_path, data_dir):
+    from draftline.config import FinetuneConfig
+    from draftline.train.spec import WorkerSpec
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    (ckpt / ".rendezvous").write_text("n0nce")
+    vocab = tmp_path / "vocab.safetensors"
+    vocab.write_text("")
+    return WorkerSpec(config=FinetuneConfig(data=str(data_dir)), run_id="r", data_dir=str(data_dir),
+                      verifier=str(tmp_path), aux_layer_ids=[1], layer={}, vocab_file=str(vocab), micro_batch_tokens=1,
+                      ds_config={}, checkpoint_dir=str(ckpt), load_report="x", error_file="y")
+
+
+def test_a_node_that_cannot_see_node_0s_shards_says_so_before_training(tmp_path):
+    """What a follower checks before its ranks start: node 0's data at the same path, the same data set there,
+    node 0's checkpoint folder."""
+    import json
+
+    from draftline.train.job import unreadable
+
+    go = {"data_digest": "a" * 64, "eval_digest": None, "nonce": "n0nce"}
+    missing = unreadable(_spec(tmp_path, tmp_path / "not-mounted-here"), go)
+    assert missing.startswith(f"cannot read the prepared data at {tmp_path / 'not-mounted-here'}, where node 0")
+    assert "storage every node mounts" in missing
+    other = tmp_path / "data"
+    other.mkdir()
+    (other / "manifest.json").write_text(json.dumps({"digest": "b" * 64}))
+    assert "is not node 0's (digest bbbbbbbbbbbb, node 0 aaaaaaaaaaaa)" in unreadable(_spec(tmp_path, other), go)
+    (other / "manifest.json").write_text(json.dumps({"digest": "a" * 64}))
+    assert unreadable(_spec(tmp_path, other), go) is None
+    assert "checkpoint folder" in unreadable(_spec(tmp_path, other), {**go, "nonce": "another job's"})
