@@ -275,7 +275,8 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
                                  ttt_steps=ttt_steps, precision=precision, link=link, link_gb_s=link_gb_s,
                                  gpu_tflops=gpu_tflops)
     best, why = interconnect.pick_stage(stages, moved)
-    shards = _shards(counts["shape"], verifier, samples, tokens_per_sample)
+    by_storage = _shards(counts["shape"], verifier, samples, tokens_per_sample)
+    shards = by_storage["bf16"]  # the default storage
     return {
         "drafter": name, "params": counts["total"], "trainable": counts["trainable"], "frozen": counts["frozen"],
         "checkpoint_params": counts["checkpoint"], "checkpoint_params_with_embeddings":
@@ -291,20 +292,22 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
         "verifier": None if verifier is None else str(verifier),
         "storage": {**shards.as_dict(), "needed_bytes": shards.needed,
                     "offered": list(storage.HIDDEN_BYTES),
-                    "bytes_by_storage": {s: storage.token_bytes(counts["shape"]["hidden_size"], counts["shape"]["num_aux"], s)
-                                         * shards.tokens for s in storage.HIDDEN_BYTES}},
+                    "bytes_by_storage": {kind: plan.bytes for kind, plan in by_storage.items()}},
     }
 
 
-def _shards(shape: dict, verifier: str | Path | None, samples: int, tokens_per_sample: int) -> storage.StoragePlan:
-    """The shards prepare will write for this drafter's verifier (checked to be as wide as the drafter)."""
+def _shards(shape: dict, verifier: str | Path | None, samples: int,
+            tokens_per_sample: int) -> dict[str, storage.StoragePlan]:
+    """The shards prepare will write for this drafter's verifier (checked to be as wide as the drafter), in each
+    storage it offers."""
     if verifier is not None:
         hidden, verifier_name = storage.verifier_hidden_size(verifier)
         if hidden != shape["hidden_size"]:
             raise ConfigError(f"verifier {verifier_name} has hidden size {hidden}, the planned drafter "
                               f"{shape['hidden_size']}: pass --drafter with a drafter of that verifier")
-    return storage.shard_bytes(shape["hidden_size"], shape["num_aux"], tokens=samples * tokens_per_sample,
-                               samples=samples, tokens_source=f"assumed: {tokens_per_sample:,} tokens a sample")
+    return {kind: storage.shard_bytes(shape["hidden_size"], shape["num_aux"], tokens=samples * tokens_per_sample,
+                                      samples=samples, tokens_source=f"assumed: {tokens_per_sample:,} tokens a sample",
+                                      storage=kind) for kind in storage.HIDDEN_BYTES}
 
 
 def gib(n: int | None, unit: int = GIB) -> str:
