@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from draftline.data import fp8
 from draftline.data.inputs import MANIFEST, read_manifest
+from draftline.data.storage import token_bytes
 from draftline.data.verify import verify_all
 from draftline.disk_space import require_free, room_for
 from draftline.errors import DataError
@@ -129,8 +130,10 @@ class ShardWriter:
             kept = (f"{len(self.entries)} finished shards are kept in {self.out_dir}; free space there and run the "
                     "same prepare again: it resumes after them")
             if self.check_room:  # a disk that filled since the run began stops it before a shard, not inside one
-                need = sum(t.numel() * (1 if self.storage == "fp8" and k in HIDDEN else t.element_size())
-                           for r in self.pending for k, t in r.items())
+                first = self.pending[0]
+                hidden = first["verifier_last_hidden_states"].shape[-1]
+                need = self.pending_tokens * token_bytes(hidden, first["hidden_states"].shape[-1] // hidden,
+                                                         self.storage)
                 require_free(self.out_dir, int(need * 1.05) + (1 << 20), what=f"the next shard ({path.name})",
                              fix=kept)
             try:
