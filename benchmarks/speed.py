@@ -57,7 +57,8 @@ def run(shape: str = "kimi", target: str | None = None, data: str | None = None,
             "sweep": sweep or None, "recommended_num_speculative_tokens": out["recommended_num_speculative_tokens"],
             "recommended_from": out["recommended_from"],
             "method": "evaluate --speed-concurrency: both loopback servers up, waves of c requests alternating "
-                      "between them, ignore_eos so both decode max_new_tokens; speed-up = drafted over plain "
-                      "tokens/s, paired bootstrap over waves (95%)",
+                      "between them, each wave started once both servers are idle (vLLM on a CPU keeps a core "
+                      "busy for ~1 s after a request), ignore_eos so both decode max_new_tokens; speed-up = "
+                      "drafted over plain tokens/s, paired bootstrap over waves (95%)",
             "note": "on this project's 2-core CPUs a drafter does not pay: the drafted server's extra forwards "
                     "cost more than the accepted tokens save; on a GPU it must (registry_policies/gpu)"}

@@ -101,3 +101,53 @@ def test_the_model_card_says_what_the_drafter_buys():
     assert ("| evaluation (`abababababab`) | 12 | 1.500 [1.400, 1.600] | x0.53 [0.39, 0.71] at concurrency 1 "
             "(23.5 vs 44.7 tokens/s) |") in card
     assert "teacher-forced only" not in card and "## Measured by vLLM" not in model_card({}, {}, [])
+
+
+def _server_of(code: str):
+    """A VllmServer whose process is ``python -c code``: what wait_idle reads is the CPU it uses."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from draftline.serving.engine import ServeSpec, VllmServer
+
+    server = VllmServer(ServeSpec(model="m", dtype="float32", trust_remote_code=False), python=Path(sys.executable))
+    server.proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    time.sleep(0.3)  # the interpreter's own start, not what is measured
+    return server
+
+
+@pytest.mark.parametrize(("busy_s", "at_least", "at_most"), [(0.0, 0.0, 0.4), (0.8, 0.4, 1.4), (60.0, 1.5, 1.9)])
+def test_a_wave_waits_until_the_server_has_gone_idle(busy_s, at_least, at_most):
+    """vLLM on a CPU keeps a core busy for about a second after a request; the next wave waits it out (a server
+    that never goes idle is waited for no longer than the cap)."""
+    server = _server_of(f"import time\nt = time.monotonic()\nwhile time.monotonic() - t < {busy_s}: pass\n"
+                        "time.sleep(60)")
+    try:
+        waited = server.wait_idle(cap_s=1.5)
+        assert at_least <= waited <= at_most, waited
+    finally:
+        server.stop()
+
+
+def test_every_wave_starts_on_a_settled_machine(monkeypatch):
+    """measure_speed settles before every wave on each side, so no wave runs in the other server's busy second."""
+    from draftline.evaluation import speed
+
+    events: list[str] = []
+
+    def wave(client, endpoint, model, prompts, max_new_tokens, headers, side):
+        events.append(model)
+        side.wave_s.append(1.0)
+        side.wave_tokens.append(8 * len(prompts))
+        side.latency_s += [1.0] * len(prompts)
+        side.tokens += [8] * len(prompts)
+
+    monkeypatch.setattr(speed, "_wave", wave)
+    monkeypatch.setattr(speed, "complete", lambda *a, **k: [])
+    prompts = [[1, 2, 3]] * 4
+    out = speed.measure_speed(("http://d", "drafted"), ("http://p", "plain"), prompts, max_new_tokens=8,
+                              concurrencies=[1, 2], settle=lambda: events.append("settle"))
+    assert [s.speedup.n for s in out] == [4, 2]
+    assert events[0::2] == ["settle"] * 12 and set(events[1::2]) == {"drafted", "plain"}
+    assert events[1:8:2] == ["drafted", "plain", "plain", "drafted"]  # the order swapped every wave

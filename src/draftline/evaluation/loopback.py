@@ -11,8 +11,8 @@ there (:func:`draftline.evaluation.vllm_backend.lossless_against`). bf16 strays 
 itself, so the plain server also decodes the prompts one request at a time, and the speculative output may
 differ beyond a near tie on as many prompts as that self-noise bounds (95%), no more.
 
-With both servers up, the same prompts are decoded on each, alternating wave by wave, for the speed the drafter
-buys (:mod:`draftline.evaluation.speed`).
+With both servers up, the same prompts are decoded on each, alternating wave by wave, each wave started once
+both servers are idle, for the speed the drafter buys (:mod:`draftline.evaluation.speed`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import math
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -81,7 +82,7 @@ def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k:
         if speed_at and together:
             result.speeds = measure_speed((server.endpoint, server.model), (plain.endpoint, plain.model), prompts,
                                           max_new_tokens=max_new_tokens, concurrencies=speed_at, level=confidence,
-                                          progress=progress)
+                                          progress=progress, settle=partial(_settle, server, plain))
             server.check_alive()
             server.stop()  # its figures are in; the plain server stays up for any other k swept
             swept = {k: result.speeds}
@@ -89,7 +90,8 @@ def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k:
                 with _drafted(spec, other) as extra:
                     swept[other] = measure_speed((extra.endpoint, extra.model), (plain.endpoint, plain.model),
                                                  prompts, max_new_tokens=max_new_tokens, concurrencies=speed_at,
-                                                 level=confidence, progress=progress)
+                                                 level=confidence, progress=progress,
+                                                 settle=partial(_settle, extra, plain))
         elif sides:
             plain_side = decode_side((plain.endpoint, plain.model), prompts, max_new_tokens=max_new_tokens,
                                      concurrencies=speed_at or [], progress=progress)
@@ -102,6 +104,12 @@ def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k:
             result = _lossless(result, plain, prompts, max_new_tokens, concurrency, progress)
         plain.check_alive()
     return result
+
+
+def _settle(*servers: VllmServer) -> None:
+    """Each wave starts on a quiet machine: every loopback server idle (:meth:`VllmServer.wait_idle`)."""
+    for server in servers:
+        server.wait_idle()
 
 
 def _drafted(spec: ServeSpec, k: int) -> VllmServer:

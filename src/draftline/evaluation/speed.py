@@ -4,6 +4,10 @@ A drafter is worth the tokens per second it buys, not its acceptance alone: each
 forward and each verification a wider verifier step. So the same prompts go to the server that drafts and to the
 plain verifier, at each concurrency the team serves, in *waves* of ``c`` requests in flight: each wave runs on
 one server and then on the other, the order swapped every wave, so whatever else the machine does falls on both.
+Where the two servers share the CPUs (loopback on a CPU host), each wave starts once both have gone idle
+(``settle``): vLLM on a CPU keeps a core busy for about a second after its last request, and a wave measured in
+that second ran on half the machine. Alternating without it biased the ratio either way by up to 2x between runs
+on 2 cores (docs/benchmarks.md, speed).
 Every request generates exactly ``max_new_tokens`` (``ignore_eos``; greedy, the same sampling on both), so the
 two sides decode the same number of tokens and a wave's times compare directly. Where the two servers cannot run
 side by side (a GPU node the verifier fills), each decodes every wave while it is up (:func:`decode_side`) and
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -124,10 +129,11 @@ def pair(drafted: dict[int, Side], plain: dict[int, Side], level: float = 0.95) 
 
 def measure_speed(drafted: tuple[str, str], plain: tuple[str, str], prompts: list[list[int]], *,
                   max_new_tokens: int, concurrencies: list[int], level: float = 0.95,
-                  progress: bool = False) -> list[Speed]:
+                  progress: bool = False, settle: Callable[[], object] | None = None) -> list[Speed]:
     """Decode ``prompts`` on the drafted server and on the plain one (each ``(endpoint, served model)``), at each
     concurrency, alternating wave by wave; one :class:`Speed` per concurrency. A warm-up request on each
-    server first, not counted."""
+    server first, not counted. ``settle``, where given, is called before every wave and returns once the
+    machine is quiet (both loopback servers idle)."""
     headers = auth_headers()
     sides: dict[str, dict[int, Side]] = {"drafted": {}, "plain": {}}
     with httpx.Client() as client:
@@ -142,6 +148,8 @@ def measure_speed(drafted: tuple[str, str], plain: tuple[str, str], prompts: lis
                 for i, wave in enumerate(waves):
                     for name in (("drafted", "plain") if i % 2 == 0 else ("plain", "drafted")):
                         endpoint, model = drafted if name == "drafted" else plain
+                        if settle is not None:
+                            settle()
                         _wave(client, endpoint, model, wave, max_new_tokens, headers, sides[name][c])
                         bar.update(1)
     return pair(sides["drafted"], sides["plain"], level)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import torch
 
 from draftline import environment
@@ -253,6 +254,39 @@ class VllmServer:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the server and everything it spawned (API server, engine core, workers) have used."""
+        if self.proc is None:
+            return 0.0
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0.0
+        total = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:  # ended between the listing and the reading
+                continue
+            total += times.user + times.system
+        return total
+
+    def wait_idle(self, *, window_s: float = 0.1, cap_s: float = 5.0) -> float:
+        """Return once the server has used under a tenth of a core over ``window_s``, or after ``cap_s``; the
+        seconds waited. vLLM on a CPU keeps a core busy for about a second after its last request (measured:
+        0.1 CPU-seconds in every 0.1 s for 1.0 s, then none), which a second server measured in that second
+        would lose."""
+        t0 = time.monotonic()
+        last = self.cpu_seconds()
+        while time.monotonic() - t0 < cap_s:
+            time.sleep(window_s)
+            now = self.cpu_seconds()
+            if now - last < 0.1 * window_s:
+                break
+            last = now
+        return time.monotonic() - t0
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
