@@ -170,9 +170,9 @@ def reflink_dir(tmp_path_factory):
 
 @pytest.fixture()
 def small_disk(tmp_path):
-    """A function that mounts a file system of N bytes (tmpfs) and returns its folder: a disk too small, or one
+    """A function that loop-mounts an ext4 disk of N bytes and returns its folder: a disk too small, or one
     that fills during a write, for real. Skipped with the reason where it cannot be mounted, unless
-    DRAFTLINE_REQUIRE_SMALLFS=1 (.ci/run sets it where it runs as root)."""
+    DRAFTLINE_REQUIRE_SMALLFS=1 (.ci/run sets it where it can loop-mount as root)."""
     from draftline.testing.smallfs import SmallFsUnavailable, small_filesystem
 
     with contextlib.ExitStack() as stack:

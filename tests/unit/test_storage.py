@@ -1,6 +1,6 @@
 """What prepared data costs on disk, said before it is written, and a disk that is too small or fills up: refused
 before the run starts, or stopped between shards with the finished ones kept and resumed from them. The small
-disks are real file systems (tmpfs mounts): the kernel itself refuses the write."""
+disks are real file systems (loop-mounted ext4 images): the kernel itself refuses the write."""
 
 import json
 

@@ -1,10 +1,13 @@
-"""A small file system of a given size in a folder of the caller's (a tmpfs mount), for the tests of a disk that
-is too small or fills up: the kernel itself then refuses the write (ENOSPC), as a full disk does. Needs root
-(or CAP_SYS_ADMIN); :class:`SmallFsUnavailable` says why it cannot be made."""
+"""A small disk of a given size in a folder of the caller's, for the tests of a disk that is too small or fills
+up: an ext4 file system in an image file, loop-mounted as a real disk is mounted, so the kernel itself refuses
+the write (ENOSPC) and ``statvfs`` reports what a real disk reports. Needs root (or CAP_SYS_ADMIN), a free loop
+device and ``mkfs.ext4`` (Debian's e2fsprogs); :class:`SmallFsUnavailable` says which one is missing.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,19 +17,44 @@ class SmallFsUnavailable(RuntimeError):
     pass
 
 
+def _run(*cmd: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SmallFsUnavailable(f"{' '.join(cmd)} failed: {(done.stderr or done.stdout).strip()[:200]}")
+
+
+def _image(folder: Path) -> Path:
+    return folder.parent / f".{folder.name}.ext4"
+
+
 @contextlib.contextmanager
 def small_filesystem(folder: Path, size_bytes: int) -> Iterator[Path]:
-    """Mount a tmpfs of ``size_bytes`` at ``folder``; unmounted on exit. :func:`resize` grows or shrinks it."""
+    """Mount an ext4 of ``size_bytes`` (no journal, no reserved blocks) at ``folder``; unmounted and its image
+    removed on exit. :func:`resize` grows it."""
+    if shutil.which("mkfs.ext4") is None:
+        raise SmallFsUnavailable("mkfs.ext4 is not installed (apt-get install e2fsprogs)")
     folder.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SmallFsUnavailable(f"mount -t tmpfs failed: {(done.stderr or done.stdout).strip()[:200]}")
+    image = _image(folder)
+    _run("truncate", "-s", str(size_bytes), str(image))
+    try:
+        _run("mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", str(image))
+        _run("mount", "-o", "loop", str(image), str(folder))
+    except SmallFsUnavailable:
+        image.unlink(missing_ok=True)
+        raise
     try:
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], capture_output=True, check=False)
+        image.unlink(missing_ok=True)
 
 
 def resize(folder: Path, size_bytes: int) -> None:
-    subprocess.run(["mount", "-o", f"remount,size={size_bytes}", str(folder)], capture_output=True, check=True)
+    """Grow the disk at ``folder`` to ``size_bytes``, its files kept: unmounted, the image and the file system
+    grown, mounted again (a container may refuse ext4's on-line resize)."""
+    image = _image(folder)
+    _run("umount", str(folder))
+    _run("truncate", "-s", str(size_bytes), str(image))
+    subprocess.run(["e2fsck", "-fy", str(image)], capture_output=True, check=False)  # resize2fs asks for it
+    _run("resize2fs", str(image))
+    _run("mount", "-o", "loop", str(image), str(folder))
