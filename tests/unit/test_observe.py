@@ -26,6 +26,8 @@ class Counters:
     def __init__(self, spec=True):
         self.drafts, self.accepted, self.spec = 0, 0, spec
         self.per_pos = [0, 0, 0]
+        self.reads = 0
+        self.script: dict[int, tuple[int, list[int]]] = {}  # read n of /metrics -> the traffic served after it
 
     def serve(self, drafts: int, accepted_per_pos: list[int]):
         self.drafts += drafts
@@ -33,6 +35,13 @@ class Counters:
         self.accepted = sum(self.per_pos)
 
     def page(self) -> str:
+        self.reads += 1
+        text = self._page()
+        if self.reads in self.script:
+            self.serve(*self.script[self.reads])
+        return text
+
+    def _page(self) -> str:
         if not self.spec:
             return 'vllm:generation_tokens_total{model_name="kimi"} 100.0\n'
         lines = [f'vllm:spec_decode_num_drafts_total{{model_name="kimi"}} {float(self.drafts)}',
@@ -118,6 +127,30 @@ def test_below_the_evaluation_exits_1_for_an_alert(server, tmp_path, store):
     r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "2"])
     assert r.exit_code == 1 and "BELOW" in r.output
     assert client.get_logged_model(model_id_of(mv)).tags["served.verdict"] == "below evaluation"
+
+
+def test_as_a_sidecar_each_window_is_recorded_and_a_quiet_one_is_said_and_skipped(server, tmp_path, store):
+    """--every-minutes: one window after another on the same run and version; a window without traffic records
+    nothing and the next is tried; a window below the evaluation makes the sidecar's exit 1 at the end."""
+    counters, endpoint = server
+    client = MlflowClient()
+    mv, pulled = _pulled(tmp_path, client, measured=2.0)
+    # /metrics reads: 1 the check before the run; then two per window (its start and end)
+    counters.script = {2: (100, [80, 50, 30]), 6: (100, [30, 10, 0])}  # 2.6, a quiet window, then 1.4
+    r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "1",
+                                 "--every-minutes", "0.02", "--windows", "2", "--json"], catch_exceptions=False)
+    assert r.exit_code == 1 and counters.reads == 7, r.output
+    assert "no traffic in the window; nothing was recorded" in r.stderr
+    out = json.loads(r.stdout)
+    assert out["below"] is True and out["served_acceptance_length"] == 1.4
+    history = client.get_metric_history(out["run_id"], "served/acceptance_length")
+    assert [(m.step, round(m.value, 4)) for m in history] == [(0, 2.6), (1, 1.4)]
+    below = client.get_metric_history(out["run_id"], "served/below_evaluation")
+    assert [m.value for m in sorted(below, key=lambda m: m.step)] == [0.0, 1.0]
+    model = client.get_logged_model(model_id_of(mv))
+    assert model.tags["served.verdict"] == "below evaluation" and model.tags["served.observe_run_id"] == out["run_id"]
+    assert len(client.search_runs([client.get_run(out["run_id"]).info.experiment_id],
+                                  "tags.`draftline.observe.version` != ''")) == 1
 
 
 @pytest.mark.parametrize("problem", ["no traffic", "no drafter", "unknown version", "no server"])

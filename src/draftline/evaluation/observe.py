@@ -176,8 +176,7 @@ def run(client, endpoints: list[str], *, model: str | None, drafter_dir: str | N
             below, line = verdict(w, evaluated)
             below_any |= below
             metrics = {**w.metrics(), f"{SERVED}/below_evaluation": float(below)}
-            mlflow.log_metrics(metrics, step=step)
-            mlflow.log_metrics(metrics, step=step, model_id=model_id)
+            mlflow.log_metrics(metrics, step=step, model_id=model_id)  # on the run, linked to the version's model
             mlflow.set_logged_model_tags(model_id, {
                 "served.acceptance_length": f"{w.acceptance_length:.4f}",
                 "served.verdict": "below evaluation" if below else "as evaluated",
