@@ -179,8 +179,8 @@ class FinetuneConfig(_Strict):
     eval_data: str | None = Field(None, description="A fixed evaluation set (`runs:/<prepare run>/data` or a "
                                   "directory) to validate on instead of a held-out val_fraction of the data, so "
                                   "runs on different data compare.")
-    log_checkpoints: bool = Field(False, description="Also log the ZeRO checkpoints (optimizer state: ~12x the "
-                                  "weights) as artifacts; by default only the selected bf16 weights are logged "
+    log_checkpoints: bool = Field(False, description="Also log the ZeRO checkpoints (fp32 master weights and "
+                                  "Adam's two moments: several times the weights) as artifacts; by default only the selected bf16 weights are logged "
                                   "and the checkpoints stay in the work directory for --resume.")
     seed: int = Field(0, description="Seed for weights and batch order.")
     ds_config: str | None = Field(None, description="DeepSpeed JSON config (default configs/zero<stage>.json).")
