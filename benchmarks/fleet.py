@@ -127,7 +127,7 @@ def _version_of(dest: Path, manifests: dict) -> str | None:
 
 
 def _round(client, uri: str, manifests: dict, n: int, root: Path, every_s: float, kind: str = "draftline") -> dict:
-    from draftline.registry.promotion import holders
+    from draftline.registry.stages import holders
     from draftline.testing import fleet
 
     first = holders(client, "fleet")["Production"]

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from mlflow import MlflowClient
 
 from draftline.cli import cli
-from draftline.registry.promotion import LOCK_SUFFIX
+from draftline.registry.stages import LOCK_SUFFIX
 
 from .test_registry import _version
 

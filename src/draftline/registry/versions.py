@@ -1,10 +1,9 @@
-"""The MLflow Model Registry, through ``MlflowClient`` only: register versions, resolve URIs, promote, pull.
+"""The MLflow Model Registry, through ``MlflowClient`` only: register versions, resolve URIs, pull.
 
 A version is created from the drafter's LoggedModel with all its lineage tags in one call, so it exists whole
-or not at all; if waiting for it fails, it is deleted again. A stage is resolved here, in one place
-(:func:`resolve_stage`): through its alias, draftline's truth, and where MLflow's stage says otherwise (its UI
-and ``transition_model_version_stage`` move only the stage) every command says so in one line naming both
-versions and the command that reconciles them, and a pull refuses. Changing where versions stand is
+or not at all; if waiting for it fails, it is deleted again. A ``models:/NAME/STAGE`` URI is read the one way
+``registry/stages.py`` reads a stage (through its alias; a pull refuses a stage its alias disagrees with), and
+where versions stand, and how that changes, is that module's; what a change must satisfy is
 ``registry/promotion.py``'s; what the registry holds, listed and compared, is ``registry/views.py``'s.
 """
 
@@ -16,37 +15,24 @@ import logging
 import re
 import shlex
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import mlflow
 from mlflow.utils.validation import MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
 
-from draftline.console import say
 from draftline.errors import RegistryError, VerificationError
 from draftline.registry.blobcache import BlobCache
+from draftline.registry.mlflow_errors import mlflow_error, registry_uri, unknown_model_hint
 from draftline.registry.retry import retrying, unavailable
+from draftline.registry.stages import STAGES, resolve_stage
 from draftline.registry.transfer import fetch_directory
 
 log = logging.getLogger(__name__)
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/@]+)|@(?P<alias>[^/@]+))/?$")
 
 
-def mlflow_error(e: Exception) -> str:
-    return getattr(e, "message", None) or str(e).splitlines()[0]
-
-
-DENIED = ("PERMISSION_DENIED", "UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED")  # MLflow's codes for HTTP 403 and 401
-
-
-def denied(e: Exception) -> bool:
-    """The server refused this user (MLflow names a 403 or 401 by its error code, JSON body or not)."""
-    return getattr(e, "error_code", "") in DENIED
-
-
 def resolve_version(client, uri: str, *, refuse_split: bool = False):
     """``models:/NAME/VERSION``, ``models:/NAME/STAGE`` or ``models:/NAME@alias`` -> ``(name, ModelVersion)``. A
-    stage goes through :func:`resolve_stage` (``refuse_split``: refuse a stage its alias disagrees with)."""
+    stage goes through :func:`~draftline.registry.stages.resolve_stage` (``refuse_split``: refuse a stage its alias disagrees with)."""
     m = _URI.match(uri)
     if not m:
         raise RegistryError(f"{uri} is not a registry URI: use models:/NAME/VERSION, models:/NAME/STAGE or "
@@ -67,136 +53,6 @@ def resolve_version(client, uri: str, *, refuse_split: bool = False):
             raise
         raise RegistryError(f"{uri} does not resolve on {registry_uri()}: {mlflow_error(e)}"
                             + unknown_model_hint(client, name)) from None
-
-
-STAGES = ("Staging", "Production", "Archived", "None")
-ALIASES = {"Production": "production", "Staging": "staging"}  # the alias each stage follows (registry/promotion.py)
-LOCK_SUFFIX = "--draftline-promotion-lock"  # the registered model that serialises NAME's promotions (promotion.py)
-
-
-@dataclass(frozen=True)
-class StageSplit:
-    """A stage and its alias naming different versions: the stage moved without the alias (MLflow's UI, or
-    ``MlflowClient.transition_model_version_stage``), or the alias moved and the stage did not follow."""
-
-    name: str
-    stage: str
-    alias: str  # the version @alias names: draftline's truth
-    held: str | None  # the version MLflow resolves models:/NAME/STAGE to (the newest in the stage), if any
-
-    def _state(self, tense: str = "is") -> str:
-        held = f"v{self.held}" if self.held else "no version"
-        return f"stage {self.stage} of {self.name} {tense} on {held} but @{ALIASES[self.stage]} on v{self.alias}"
-
-    def _command(self, version: str) -> str:
-        return f"`draftline promote {self.name} {version} --to {self.stage}`"
-
-    def _fixes(self) -> str:
-        back = f"{self._command(self.alias)} puts the stage back on v{self.alias}"
-        return back if self.held is None else f"{self._command(self.held)} makes v{self.held} both, {back}"
-
-    def warning(self) -> str:
-        """What a command that reads the stage says (it goes on with the alias's version)."""
-        return f"{self._state()} (moved outside draftline, as MLflow's UI does); draftline reads v{self.alias}: " \
-               f"{self._fixes()}"
-
-    def refusal(self) -> str:
-        """What a pull of the stage says instead of choosing one of the two."""
-        return f"models:/{self.name}/{self.stage} is ambiguous: {self._state()}; nothing was pulled: " \
-               f"{self._fixes()} (or pull --version)"
-
-    def repaired(self) -> str:
-        """What a promotion or rollback says after making the stage follow its alias."""
-        if_meant = f"; {self._command(self.held)} if v{self.held} was meant" if self.held else ""
-        return f"{self._state('was')}: moved the stage to v{self.alias}, as draftline follows the alias{if_meant}"
-
-
-def stage_split(name: str, stage: str, alias: str | None, held: str | None) -> StageSplit | None:
-    """The one rule: the stage and its alias disagree when the alias exists and MLflow's stage resolves to
-    another version (or none). No alias: a registry from before the aliases; the stage is all there is."""
-    if alias is None or stage not in ALIASES or (held is not None and str(held) == str(alias)):
-        return None
-    return StageSplit(name, stage, str(alias), None if held is None else str(held))
-
-
-def promotion_in_progress(client, name: str) -> bool:
-    """A draftline promotion of ``name`` holds its lock: it writes the alias, then the stage, so the two differ
-    for a moment; that is a change in flight (the alias is already the truth), not a disagreement."""
-    try:
-        client.get_registered_model(name + LOCK_SUFFIX)
-        return True
-    except Exception as e:  # noqa: BLE001
-        if unavailable(e):
-            raise
-        return False
-
-
-def resolve_stage(client, name: str, stage: str, *, refuse: bool = False):
-    """``models:/NAME/STAGE`` as draftline reads it: the version the stage's alias names (the truth). Where
-    MLflow's stage names another version, say so in one line naming both and the commands that reconcile them,
-    and go on with the alias's, or, with ``refuse`` (a pull installs what it resolves), raise instead of
-    choosing. A registry without the alias: the newest version in the stage. One request when they agree."""
-    uri = f"models:/{name}/{stage}"
-    try:
-        # what MLflow resolves the stage to; its registry client's call, one request: MlflowClient's own first
-        # asks whether NAME is a prompt (a second request per pull, paid by every pod of a fleet)
-        latest = client._get_registry_client().get_latest_versions(name, [stage])  # noqa: SLF001
-    except Exception as e:  # noqa: BLE001
-        if unavailable(e):
-            raise
-        raise RegistryError(f"{uri} does not resolve on {registry_uri()}: {mlflow_error(e)}"
-                            + unknown_model_hint(client, name)) from None
-    held = latest[0] if latest else None
-    alias = ALIASES.get(stage)
-    named = held
-    if alias is not None and (held is None or alias not in (held.aliases or [])):
-        try:
-            named = client.get_model_version_by_alias(name, alias)
-        except Exception as e:  # noqa: BLE001  (no such alias: a registry from before the aliases)
-            if unavailable(e):
-                raise
-            named = held
-        split = stage_split(name, stage, named and str(named.version), held and str(held.version))
-        if split and not promotion_in_progress(client, name):
-            if refuse:
-                raise RegistryError(split.refusal())
-            say(split.warning())
-    if named is None:
-        raise RegistryError(f"{uri} does not resolve on {registry_uri()}: no version of {name} is in stage {stage}")
-    return named
-
-
-def stage_splits(client, name: str, *, aliases: dict, versions) -> list[StageSplit]:
-    """Every stage of ``name`` whose alias names another version than MLflow's stage (``aliases``: the
-    registered model's, ``versions``: all its versions, as ``list`` reads them), a promotion in flight aside."""
-    found = []
-    for stage, alias in ALIASES.items():
-        holding = [int(v.version) for v in versions if v.current_stage == stage]
-        split = stage_split(name, stage, aliases.get(alias), str(max(holding)) if holding else None)
-        if split:
-            found.append(split)
-    return [] if not found or promotion_in_progress(client, name) else found
-
-
-def registry_uri() -> str:
-    return mlflow.get_registry_uri()
-
-
-def unknown_model_hint(client, name: str) -> str:
-    """``; did you mean 'x'?`` when ``name`` is not a registered model and one is close; else ``""``."""
-    try:
-        client.get_registered_model(name)
-        return ""
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        names = [m.name for m in client.search_registered_models()]
-    except Exception:  # noqa: BLE001
-        return ""
-    near = difflib.get_close_matches(name, names, n=1)
-    if near:
-        return f"; did you mean {near[0]!r}?"
-    return "; `draftline list` shows the registered models there" if names else "; it holds no registered models"
 
 
 def model_id_of(mv) -> str | None:

@@ -7,16 +7,10 @@ from draftline.console import say
 from draftline.errors import RegistryError
 from draftline.registry.evidence import HIGH_LOW, MEASURED, PROMPTS, evaluations_of, on_set
 from draftline.registry.lineage import HEADLINE_METRICS, VERSION_TAG_PARAMS
+from draftline.registry.mlflow_errors import mlflow_error, registry_uri, unknown_model_hint
 from draftline.registry.policies import policy_set
-from draftline.registry.versions import (
-    LOCK_SUFFIX,
-    mlflow_error,
-    model_id_of,
-    registry_uri,
-    resolve_version,
-    stage_splits,
-    unknown_model_hint,
-)
+from draftline.registry.stages import LOCK_SUFFIX, stage_splits
+from draftline.registry.versions import model_id_of, resolve_version
 
 HEADLINE = HEADLINE_METRICS[0]  # val/acceptance_length
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import mlflow
 
 from draftline.config import CACHE_ENV
-from draftline.registry.promotion import holders, promote, rollback
+from draftline.registry.promotion import promote, rollback
+from draftline.registry.stages import holders
 from draftline.registry.transfer import CHECKSUMS
 from draftline.registry.versions import checksums_tag
 from draftline.util import file_sha256, manifest_digest
