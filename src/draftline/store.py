@@ -5,6 +5,7 @@ refuses an unreachable server before MLflow loads; :mod:`draftline.tracking` doe
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import url2pathname
@@ -25,14 +26,21 @@ def tracking_uri() -> str:
     return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
 
 
+_ANSWERED: dict[str, float] = {}  # server URI -> when it last answered /health (monotonic seconds)
+ANSWER_FRESH_S = 5.0  # a command checks its server before MLflow loads, then again as it sets MLflow up: once
+
+
 def check_reachable(uri: str | None = None) -> None:
     """A tracking server (http/https) that does not answer is one :class:`ServerUnavailable` line; a local store
-    is not checked here."""
+    is not checked here. A server that answered in the last :data:`ANSWER_FRESH_S` seconds is not asked again."""
     uri = uri or tracking_uri()
     if not uri.startswith(("http://", "https://")):
         return
+    if time.monotonic() - _ANSWERED.get(uri, -ANSWER_FRESH_S) < ANSWER_FRESH_S:
+        return
     try:
         requests.get(uri.rstrip("/") + "/health", timeout=10.0)
+        _ANSWERED[uri] = time.monotonic()
     except requests.RequestException as e:
         raise ServerUnavailable(
             f"the MLflow tracking server at {uri} is unreachable ({type(e).__name__}). Start it, or point "
