@@ -257,6 +257,42 @@ def test_evaluate_says_when_vllm_serves_other_than_the_drafters_own_forward_pred
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_stored_reply_that_is_not_what_was_served_is_left_out_of_the_prediction(verifier, trained, capsys):
+    """prepare may hold a reply that is not the server's (its lossy text re-tokenised, an empty turn): walked, it
+    predicts nothing about its prompt, and compared with the whole measurement it raised a false warning. Given
+    the measurement's outputs and per-prompt counts, the prediction walks only the replies served token for
+    token and is compared with the measurement on those prompts."""
+    from draftline.config import EvaluateConfig
+    from draftline.evaluation.stage import _predicted
+    from draftline.registry.evidence import PREDICTED
+
+    model, _ = verifier
+    drafter, held_out = trained
+    recs = greedy.records(model, held_out, greedy.greedy_replies(model, held_out, 20, 0), AUX)
+    cfg = EvaluateConfig(target="x", data="x", max_prompts=4, max_new_tokens=12)
+    greedy_manifest = {"regenerated": {"temperature": 0.0}}
+    result = measure_chain(model, drafter, held_out[:4], k=3, max_new_tokens=12)
+    bad = list(recs)
+    for j in (0, 2):  # the reply stored as other tokens than those served
+        r = dict(bad[j])
+        first = int(r["loss_mask"].nonzero()[0])
+        r["input_ids"] = r["input_ids"].clone()
+        r["input_ids"][first:] = (r["input_ids"][first:] + 1) % model.config.vocab_size
+        bad[j] = r
+    _predicted(cfg, drafter, bad, greedy_manifest, result.acceptance_length, progress=False)
+    assert "warning" in capsys.readouterr().err  # the old comparison, over every prompt
+    got = _predicted(cfg, drafter, bad, greedy_manifest, result.acceptance_length, progress=False,
+                     outputs=result.outputs, per_prompt=result.per_prompt)
+    rows = [result.per_prompt[j] for j in (1, 3)]
+    on_them = 1 + sum(r["accepted"] for r in rows) / sum(r["drafts"] for r in rows)
+    assert got["eval/predicted/prompts"] == 2 and got[PREDICTED] == pytest.approx(on_them)
+    assert got["eval/predicted/difference"] == pytest.approx(0.0, abs=1e-9)
+    assert "warning" not in capsys.readouterr().err
+    without = _predicted(cfg, drafter, bad, greedy_manifest, result.acceptance_length, progress=False,
+                         outputs=result.outputs, per_prompt=[])  # no per-prompt counts: nothing to compare with
+    assert "eval/predicted/difference" not in without and "warning" not in capsys.readouterr().err
+
+
 def test_the_bf16_lossless_check_tolerates_a_difference_only_within_each_others_top_choices():
     """bf16 (vLLM's check_logprobs_close rule): a first difference where each server's token is among the
     other's top choices is a near tie; a token the plain verifier did not rank at all is a mismatch; float32

@@ -193,6 +193,24 @@ def test_reply_token_ids_stand_in_for_the_text_where_the_template_puts_the_conte
     assert tokenizer.decode(t.input_ids) == tokenizer.decode(plain.input_ids) == full
 
 
+def test_reply_ids_are_kept_where_the_servers_text_is_their_lossy_rendering(tokenizer):
+    """A token holding half a UTF-8 character decodes to U+FFFD here while vLLM's detokeniser holds it back, and
+    a reply cut at max_tokens may end in special tokens the verifier generated: the ids are still the reply (only
+    the one stop token at the end is dropped), not a re-tokenisation of the text the server rendered."""
+    eos = tokenizer.eos_token_id
+    half = tokenizer.convert_tokens_to_ids("Ã")  # the first byte of "é" alone
+    assert "\ufffd" in tokenizer.decode([half])
+    word = [tokenizer.convert_tokens_to_ids(c) for c in ["I", "Ġ", "a", "m"]]
+    cases = {"fragment": (word + [half, eos], "I am"), "specials": (word + [eos, eos, eos], "I am")}
+    for name, (ids, content) in cases.items():
+        messages = [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": content, "token_ids": ids}]
+        t = tokenize_sample(tokenizer, {"id": "x", "messages": messages}, max_length=512)
+        assert (t.turns_from_ids, t.turns_ids_unplaced) == (1, 0), name
+        kept = ids[:-1]  # the stop token: the template writes its own end of turn
+        at = next(i for i in range(len(t.input_ids)) if t.input_ids[i:i + len(kept)] == kept)
+        assert t.loss_mask[at:at + len(kept)] == [1] * len(kept), name
+
+
 def test_the_server_returns_token_ids_as_vllm_does_and_prepare_places_them(tiny, verifier):
     import httpx
 

@@ -8,7 +8,8 @@ An assistant turn that carries the verifier's own ``token_ids`` (regeneration th
 them) contributes those ids instead of a re-tokenisation of its text: the conversation is cut at the turn's
 content, the text around it is tokenised as before, and the reply's ids go in between (a trailing stop token
 is dropped: the template writes its own end of turn). The ids are used only where they can be placed: the
-template renders the content verbatim (where a probe content lands) and the ids decode to exactly that text;
+template renders the content verbatim (where a probe content lands) and the ids decode to that text, as a
+server renders it (special tokens skipped, no U+FFFD for a token that holds part of a UTF-8 character);
 otherwise the turn falls back to its text.
 """
 
@@ -62,16 +63,22 @@ def _plain(messages: list[dict]) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def _lossy(text: str) -> str:
+    """``text`` as a server's detokeniser may render it: special tokens skipped (by the caller), and no U+FFFD,
+    which a token holding part of a UTF-8 character decodes to here while vLLM's incremental detokeniser holds
+    it back (an empty or shorter content) or renders it otherwise."""
+    return text.replace("\ufffd", "")
+
+
 def _reply_ids(tokenizer, messages: list[dict], i: int, text: str, start: int) -> tuple[int, list[int]] | None:
     """Where assistant turn ``i``'s content starts in ``text`` and the ids that stand for it, or None when its
     ids cannot be placed (see the module)."""
     m = messages[i]
     ids = list(m["token_ids"])
-    special = set(tokenizer.all_special_ids)
-    while ids and ids[-1] in special:  # the stop token: the template writes its own end of turn
-        ids.pop()
+    if ids and ids[-1] in set(tokenizer.all_special_ids):  # the stop token: the template writes its own end of turn
+        ids.pop()  # one only: a reply cut at max_tokens may end in special tokens the verifier generated
     content = m["content"]
-    if tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) != content:
+    if _lossy(tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)) != _lossy(content):
         return None
     probe = _render(tokenizer, _plain(messages[:i]) + [{"role": "assistant", "content": _PROBE}], False)
     at = probe.find(_PROBE, start)

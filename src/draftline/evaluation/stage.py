@@ -42,7 +42,7 @@ from draftline.evaluation.speed import (
     sweep_text,
 )
 from draftline.evaluation.targets import load_drafter, resolve_target
-from draftline.evaluation.teacher_forced import greedy_replies, measure, prompts_of, served_replies
+from draftline.evaluation.teacher_forced import greedy_replies, measure, prompts_of, served_samples
 from draftline.evaluation.vllm_backend import measure_vllm
 from draftline.registry import evidence, lineage
 from draftline.registry.confidence import PER_PROMPT_FILE, acceptance_interval, carry_per_prompt
@@ -69,20 +69,42 @@ def _verifier(cfg: EvaluateConfig, manifest: dict) -> str:
 PREDICTION_TOLERANCE = 0.1  # measured 0.001-0.014 apart on the real tier (bf16 shards, float32 vLLM)
 
 
-def _predicted(cfg: EvaluateConfig, drafter, records, manifest: dict, measured: float, progress: bool) -> dict:
+def _predicted(cfg: EvaluateConfig, drafter, records, manifest: dict, measured: float, progress: bool, *,
+               outputs: list[list[int]] | None = None, per_prompt: list[dict] | None = None) -> dict:
     """vLLM's walk over the drafter's own teacher-forced drafts on the very replies the measurement asked for:
     what serving should report. Far from the measured figure on the verifier's greedy replies, serving is not
-    running the model that was trained; that is said, and logged."""
-    served = served_replies(records, cfg.max_prompts, cfg.max_new_tokens)
-    if not served:
+    running the model that was trained; that is said, and logged.
+
+    With ``outputs`` (the measurement's generated ids, in prompt order) only the replies the data holds token for
+    token as they were served are walked, and compared with the measurement on those prompts (``per_prompt``;
+    without it, only when every prompt is walked): a reply prepare could not keep as the server's ids (a
+    re-tokenised lossy text, an empty turn) predicts nothing about its prompt."""
+    kept = served_samples(records, cfg.max_prompts, cfg.max_new_tokens, outputs)
+    if not kept:
         return {}
-    predicted = measure(drafter, served, ttt_steps=cfg.num_speculative_tokens, tokens_per_batch=cfg.tokens_per_batch,
-                        progress=progress)["walk_acceptance_length"]
+    predicted = measure(drafter, [s for _, s in kept], ttt_steps=cfg.num_speculative_tokens,
+                        tokens_per_batch=cfg.tokens_per_batch, progress=progress).get("walk_acceptance_length")
+    if predicted is None:  # no draft is made on these replies (all shorter than two tokens)
+        return {}
+    out = {evidence.PREDICTED: predicted, "eval/predicted/prompts": float(len(kept))}
+    if outputs is not None and len(kept) < len(outputs):
+        measured = _measured_on(per_prompt or [], [j for j, _ in kept])
+        if measured is None:
+            return out
     if greedy_replies(manifest) and abs(measured - predicted) > PREDICTION_TOLERANCE:
         say(f"warning: served acceptance {measured:.3f}, but the drafter's own forward over the same greedy "
             f"replies predicts {predicted:.3f}: what is served is not the model that was trained (compare the "
             "export's config.json with the checkpoint: norm_before_residual, target layers, d2t; docs/design.md)")
-    return {evidence.PREDICTED: predicted, "eval/predicted/difference": measured - predicted}
+    return {**out, "eval/predicted/difference": measured - predicted}
+
+
+def _measured_on(per_prompt: list[dict], prompts: list[int]) -> float | None:
+    """vLLM's acceptance length over ``prompts`` alone, from the per-prompt evidence (None without it)."""
+    if not per_prompt or max(prompts) >= len(per_prompt):
+        return None
+    rows = [per_prompt[j] for j in prompts]
+    drafts = sum(r["drafts"] for r in rows)
+    return 1.0 + sum(r["accepted"] for r in rows) / drafts if drafts else 1.0
 
 
 def backend_of(cfg: EvaluateConfig, verifier_dir: str, *, mla_drafter: bool = False) -> str:
@@ -212,7 +234,8 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
                                else (None, 0, None))
     interval = None
     if chain is not None:
-        metrics.update(_predicted(cfg, drafter, records, manifest, chain.acceptance_length, progress))
+        metrics.update(_predicted(cfg, drafter, records, manifest, chain.acceptance_length, progress,
+                                   outputs=chain.outputs or None, per_prompt=chain.per_prompt))
         interval = _measured_metrics(cfg, chain, n_prompts, cross, backend, metrics)
     run_id = _log_evaluation(cfg, target, data_name, manifest, metrics, chain, n_prompts, backend)
     out = {"run_id": run_id, "target": target.name, "data": f"{data_name} ({manifest['digest'][:12]})",

@@ -44,12 +44,25 @@ def served_replies(records: Sequence[Mapping[str, torch.Tensor]], max_prompts: i
                    max_new_tokens: int) -> list[dict[str, torch.Tensor]]:
     """The samples of :func:`prompts_of`'s first ``max_prompts`` prompts, each cut after the first
     ``max_new_tokens`` tokens of its first reply: the tokens a measured evaluation asks the server for."""
+    return [s for _, s in served_samples(records, max_prompts, max_new_tokens)]
+
+
+def served_samples(records: Sequence[Mapping[str, torch.Tensor]], max_prompts: int | None, max_new_tokens: int,
+                   outputs: Sequence[Sequence[int]] | None = None) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """``(prompt index, sample)`` for :func:`served_replies`' samples. With ``outputs`` (what the measurement
+    generated, in prompt order) only the samples whose cut reply is, token for token, what was served: a reply
+    the data holds but the server did not produce (prepare fell back to re-tokenising lossy reply text, or bf16
+    took another branch) says nothing about what was measured on that prompt."""
     out = []
-    for r, first in itertools.islice(_prompted(records), max_prompts):
+    for j, (r, first) in enumerate(itertools.islice(_prompted(records), max_prompts)):
         reply = r["loss_mask"][first:first + max_new_tokens].bool()
         length = int(reply.numel()) if bool(reply.all()) else int((~reply).nonzero()[0])  # up to the turn's end
-        if length:
-            out.append({k: v[:first + length] for k, v in r.items()})
+        if not length:
+            continue
+        if outputs is not None and (j >= len(outputs) or
+                                    r["input_ids"][first:first + length].tolist() != list(outputs[j][:length])):
+            continue
+        out.append((j, {k: v[:first + length] for k, v in r.items()}))
     return out
 
 
