@@ -88,9 +88,10 @@ def _predicted(cfg: EvaluateConfig, drafter, records, manifest: dict, measured: 
         return {}
     out = {evidence.PREDICTED: predicted, "eval/predicted/prompts": float(len(kept))}
     if outputs is not None and len(kept) < len(outputs):
-        measured = _measured_on(per_prompt or [], [j for j, _ in kept])
-        if measured is None:
+        on_kept = _measured_on(per_prompt or [], [j for j, _ in kept])
+        if on_kept is None:
             return out
+        measured = on_kept
     if greedy_replies(manifest) and abs(measured - predicted) > PREDICTION_TOLERANCE:
         say(f"warning: served acceptance {measured:.3f}, but the drafter's own forward over the same greedy "
             f"replies predicts {predicted:.3f}: what is served is not the model that was trained (compare the "
