@@ -86,6 +86,21 @@ def test_the_speed_gate_reads_the_lower_bound():
     assert not result.passed and "lower bound 0.980 < 1.05" in result.detail
     missing = _judge(fast, {"concurrency": 8, "value": 1.05})
     assert not missing.passed and "--speed-concurrency 8" in missing.detail
+    one = _judge({**fast, "eval/speed/c1/speedup_low": 1.4, "eval/speed/c1/waves": 1.0}, {"concurrency": 1,
+                                                                                         "value": 1.05})
+    assert not one.passed and "no interval" in one.detail and "at least 2 prompts" in one.detail  # one wave
+
+
+def test_one_wave_is_said_to_give_no_interval():
+    from draftline.export.directory import model_card
+
+    tokens = [64]
+    assert throughput_ratio(tokens, [1.0], tokens, [2.0]).text() == "2.00 (n=1: no interval)"
+    m = {"eval/measured/acceptance_length": 1.5, "eval/measured/prompts": 8.0, "eval/speed/c8/speedup": 0.84,
+         "eval/speed/c8/speedup_low": 0.84, "eval/speed/c8/speedup_high": 0.84, "eval/speed/c8/waves": 1.0,
+         "eval/speed/c8/drafted_tokens_per_s": 52.3, "eval/speed/c8/plain_tokens_per_s": 62.0}
+    card = model_card({}, {}, [{"data": {"name": "evaluation", "digest": "ab" * 32}, "metrics": m}])
+    assert "x0.84 (1 wave: no interval) at concurrency 8" in card
 
 
 def test_the_model_card_says_what_the_drafter_buys():

@@ -39,12 +39,18 @@ def evaluation_rows(evaluated: list[dict]) -> str:
             acc += f" [{m['eval/measured/acceptance_length_low']:.3f}, {m['eval/measured/acceptance_length_high']:.3f}]"
         speeds = sorted((int(k.split("/")[2][1:]), k.rsplit("/", 1)[0]) for k in m
                         if k.startswith("eval/speed/c") and k.endswith("/speedup"))
-        speed = "; ".join(f"x{m[p + '/speedup']:.2f} [{m[p + '/speedup_low']:.2f}, {m[p + '/speedup_high']:.2f}] at "
-                          f"concurrency {c} ({m[p + '/drafted_tokens_per_s']:.1f} vs {m[p + '/plain_tokens_per_s']:.1f}"
-                          " tokens/s)" for c, p in speeds) or "not measured"
+        speed = "; ".join(f"x{_speedup(m, p)} at concurrency {c} ({m[p + '/drafted_tokens_per_s']:.1f} vs "
+                          f"{m[p + '/plain_tokens_per_s']:.1f} tokens/s)" for c, p in speeds) or "not measured"
         prompts = int(m.get("eval/measured/prompts", 0))
         rows.append(f"| {result['data']['name']} (`{result['data']['digest'][:12]}`) | {prompts} | {acc} | {speed} |")
     return "\n".join(rows)
+
+
+def _speedup(m: dict[str, float], p: str) -> str:
+    """``1.18 [1.08, 1.29]``, or ``0.84 (1 wave: no interval)``."""
+    if m.get(p + "/waves", 2) < 2:
+        return f"{m[p + '/speedup']:.2f} (1 wave: no interval)"
+    return f"{m[p + '/speedup']:.2f} [{m[p + '/speedup_low']:.2f}, {m[p + '/speedup_high']:.2f}]"
 
 
 def model_card(lineage: dict, metrics: dict[str, float], evaluated: list[dict] | None = None) -> str:

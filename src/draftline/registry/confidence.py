@@ -43,6 +43,8 @@ class Interval:
         return self.high - self.low
 
     def text(self) -> str:
+        if self.n < 2:  # one unit (a prompt, a wave) has no spread to bootstrap
+            return f"{self.value:.2f} (n={self.n}: no interval)"
         return f"{self.value:.2f} [{self.low:.2f}, {self.high:.2f}]"
 
 

@@ -185,6 +185,10 @@ def _speed_rule(rule: SpeedRule, ev) -> RuleResult:
     if value is None or low is None:
         return RuleResult(name, False, f"the evaluation measured no speed at concurrency {rule.concurrency}: "
                           f"evaluate on vLLM with --speed-concurrency {rule.concurrency}")
+    waves = ev.metrics.get(f"{p}/waves")
+    if waves is not None and waves < 2:
+        return RuleResult(name, False, f"x{value:.3f} from {int(waves)} wave: no interval to decide on; evaluate "
+                          f"on at least {2 * rule.concurrency} prompts (--max-prompts)")
     tps = ev.metrics.get(f"{p}/drafted_tokens_per_s"), ev.metrics.get(f"{p}/plain_tokens_per_s")
     ok = low >= rule.value
     return RuleResult(name, ok, f"x{value:.3f} [{low:.3f}, {high:.3f}] ({tps[0]:.1f} vs {tps[1]:.1f} tokens/s); "
