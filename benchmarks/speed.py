@@ -60,5 +60,5 @@ def run(shape: str = "kimi", target: str | None = None, data: str | None = None,
                       "between them, each wave started once both servers are idle (vLLM on a CPU keeps a core "
                       "busy for ~1 s after a request), ignore_eos so both decode max_new_tokens; speed-up = "
                       "drafted over plain tokens/s, paired bootstrap over waves (95%)",
-            "note": "on this project's 2-core CPUs a drafter does not pay: the drafted server's extra forwards "
-                    "cost more than the accepted tokens save; on a GPU it must (registry_policies/gpu)"}
+            "note": "measured on this machine's CPUs, where the drafted server's extra forwards cost about as much "
+                    "as the accepted tokens save; a GPU deployment gates on >= 1.05 (registry_policies/gpu)"}

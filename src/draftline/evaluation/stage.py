@@ -265,9 +265,11 @@ def _measured_metrics(cfg: EvaluateConfig, chain, n_prompts: int, cross, backend
             f"width {interval.width:.2f}; {backend})")
     metrics.update(speed_metrics(chain.speeds))
     for speed in chain.speeds:
-        say(f"speed with the drafter: {speed.text()}"
-            + ("" if speed.speedup.low > 1.0 else ": it does not pay here (on a GPU deployment it must: "
-               "DRAFTLINE_REGISTRY_POLICIES=registry_policies/gpu gates on it)"))
+        verdict = (": from one wave, not shown faster here" if speed.speedup.n < 2 else
+                   "" if speed.speedup.low > 1.0 else
+                   ": slower here" if speed.speedup.high < 1.0 else ": not shown faster here")
+        say(f"speed with the drafter: {speed.text()}" + (verdict and f"{verdict} (on a GPU deployment it must pay: "
+                                                          "DRAFTLINE_REGISTRY_POLICIES=registry_policies/gpu gates on it)"))
     guessed = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
     metrics[evidence.RECOMMENDED_K] = float(guessed)
     if chain.sweep:
