@@ -137,6 +137,8 @@ def test_as_a_sidecar_each_window_is_recorded_and_a_quiet_one_is_said_and_skippe
     mv, pulled = _pulled(tmp_path, client, measured=2.0)
     # /metrics reads: 1 the check before the run; then two per window (its start and end)
     counters.script = {2: (100, [80, 50, 30]), 6: (100, [30, 10, 0])}  # 2.6, a quiet window, then 1.4
+    before = len(client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                    "tags.`draftline.observe.version` != ''"))
     r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "1",
                                  "--every-minutes", "0.02", "--windows", "2", "--json"], catch_exceptions=False)
     assert r.exit_code == 1 and counters.reads == 7, r.output
@@ -149,8 +151,9 @@ def test_as_a_sidecar_each_window_is_recorded_and_a_quiet_one_is_said_and_skippe
     assert [m.value for m in sorted(below, key=lambda m: m.step)] == [0.0, 1.0]
     model = client.get_logged_model(model_id_of(mv))
     assert model.tags["served.verdict"] == "below evaluation" and model.tags["served.observe_run_id"] == out["run_id"]
-    assert len(client.search_runs([client.get_run(out["run_id"]).info.experiment_id],
-                                  "tags.`draftline.observe.version` != ''")) == 1
+    observed = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  "tags.`draftline.observe.version` != ''")
+    assert len(observed) == before + 1  # one run for every window
 
 
 @pytest.mark.parametrize("problem", ["no traffic", "no drafter", "unknown version", "no server"])
