@@ -8,7 +8,7 @@ import torch
 from draftline.config import PrepareConfig
 from draftline.data.prepare import build_data
 from draftline.data.shards import open_prepared
-from draftline.errors import ConfigError, DataError
+from draftline.errors import ConfigError
 from draftline.testing.tiny_server import serve_in_thread
 
 from ..conftest import DEMO
@@ -29,17 +29,28 @@ def test_vllm_backend_writes_the_same_shards_as_transformers(tiny, tmp_path):
     assert not list((tmp_path / "server-hs").iterdir())  # every file the server wrote was read and removed
 
 
-def test_vllm_backend_errors_name_the_fix(tiny, tmp_path):
-    cfg = dict(conversations=str(DEMO), verifier=str(tiny["verifier"]), max_samples=2, capture_backend="vllm")
+def test_vllm_backend_errors_name_the_fix(workspace, tiny, tmp_path):
+    """What prepare says, before any run, when vLLM cannot capture: none here for a loopback server, a server
+    without hidden-state extraction (asked once: no retries on a server that answered), another served model."""
+    from click.testing import CliRunner
+    from mlflow import MlflowClient
+
+    from draftline.cli import cli
+
+    flags = ["prepare", "--conversations", str(DEMO), "--verifier", str(tiny["verifier"]), "--max-samples", "2",
+             "--capture-backend", "vllm", "--output-dir", str(tmp_path / "out")]
     with pytest.raises(ConfigError, match="vLLM is needed here"):  # no endpoint: a loopback vLLM, switched off
-        build_data(PrepareConfig(**cfg), tmp_path / "a", progress=False)
+        build_data(PrepareConfig(conversations=str(DEMO), verifier=str(tiny["verifier"]), max_samples=2,
+                                 capture_backend="vllm"), tmp_path / "a", progress=False)
     with serve_in_thread(tiny["verifier"]) as srv:  # a server without hidden-state extraction
-        with pytest.raises(DataError, match="did not return hidden states.*hidden-state extraction"):
-            build_data(PrepareConfig(**cfg, capture_endpoint=srv.url, capture_model=srv.model), tmp_path / "b",
-                       progress=False)
-        with pytest.raises(DataError, match="does not serve other-model"):
-            build_data(PrepareConfig(**cfg, capture_endpoint=srv.url, capture_model="other-model"), tmp_path / "c",
-                       progress=False)
+        for model, said, fix in ((srv.model, "did not return hidden states", "hidden-state extraction"),
+                                 ("other-model", "does not serve other-model", "--capture-model")):
+            r = CliRunner().invoke(cli, [*flags, "--capture-endpoint", srv.url, "--capture-model", model])
+            errors = [line for line in r.output.splitlines() if line.startswith("error")]
+            assert r.exit_code != 0 and len(errors) == 1 and said in errors[0] and fix in errors[0], r.output
+    client = MlflowClient()
+    assert not client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_capture_server_extracting_other_layers_is_one_line_exit_2_before_any_run(workspace, tiny, tmp_path):
