@@ -129,6 +129,7 @@ def test_below_the_evaluation_exits_1_for_an_alert(server, tmp_path, store):
     assert client.get_logged_model(model_id_of(mv)).tags["served.verdict"] == "below evaluation"
 
 
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)  # the windows' logic is the command's, not the store's
 def test_as_a_sidecar_each_window_is_recorded_and_a_quiet_one_is_said_and_skipped(server, tmp_path, store):
     """--every-minutes: one window after another on the same run and version; a window without traffic records
     nothing and the next is tried; a window below the evaluation makes the sidecar's exit 1 at the end."""
