@@ -94,8 +94,10 @@ def _pulled(tmp_path, client, measured):
     return mv, pulled
 
 
-def _traffic(counters, drafts, per_pos, delay=0.5):
-    threading.Timer(delay, counters.serve, args=(drafts, per_pos)).start()
+def _traffic(counters, drafts, per_pos):
+    """Traffic served inside the first window: right after its opening read of /metrics (read 2; read 1 is
+    the check before the run)."""
+    counters.script[2] = (drafts, per_pos)
 
 
 def test_a_window_is_recorded_on_the_version_it_serves(server, tmp_path, store):
@@ -104,7 +106,7 @@ def test_a_window_is_recorded_on_the_version_it_serves(server, tmp_path, store):
     mv, pulled = _pulled(tmp_path, client, measured=2.0)
     counters.serve(50, [40, 20, 10])  # before the window: not counted
     _traffic(counters, 100, [80, 50, 30])  # 1 + 160 / 100 = 2.6: at or above the evaluation
-    r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "2",
+    r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "1",
                                  "--json"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
@@ -124,7 +126,7 @@ def test_below_the_evaluation_exits_1_for_an_alert(server, tmp_path, store):
     client = MlflowClient()
     mv, pulled = _pulled(tmp_path, client, measured=2.5)
     _traffic(counters, 100, [30, 10, 0])  # 1.4 served against 2.5 evaluated
-    r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "2"])
+    r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "1"])
     assert r.exit_code == 1 and "BELOW" in r.output
     assert client.get_logged_model(model_id_of(mv)).tags["served.verdict"] == "below evaluation"
 
