@@ -17,9 +17,8 @@ field() { "$PY" -c "import json,sys; print(json.load(sys.stdin)['$1'])"; }
 t0=$SECONDS; lap() { echo "== $1 took $((SECONDS - t0)) s" >&2; t0=$SECONDS; }
 export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-sqlite:///$PWD/mlflow.db}
 
-# Sizes: REAL_SCALE=quick (the default: ~25 min on a quiet 2-core machine) or full (76 min measured with the
-# parent built, ~57 once it is cached; docs/real-tier.md gives the figures). Any REAL_* variable below overrides
-# its preset.
+# Sizes: REAL_SCALE=quick (the default: about half an hour on 2 cores) or full (over an hour; less once the
+# parent is cached); docs/results.md gives the measured times. Any REAL_* variable below overrides its preset.
 case "${REAL_SCALE:-quick}" in
   quick) p_mt=2  p_share=8  p_ggsm=0   p_gtrain=64  p_geval=16 p_psteps=50  p_csteps=60  p_val=15 p_evp=8  p_evn=48 p_xc=true ;;
   full)  p_mt=10 p_share=40 p_ggsm=200 p_gtrain=768 p_geval=32 p_psteps=400 p_csteps=1200 p_val=100 p_evp=16 p_evn=96 p_xc=false ;;
