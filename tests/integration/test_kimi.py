@@ -177,10 +177,17 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
                    "24", "--cross-check", "true", "--sweep-k", "1..3")
     assert child["backend"] == "vllm", child  # an MLA drafter is served beside the MLA verifier on any CPU
     assert child["measured_acceptance_length"] > 1.0, child
-    # vLLM serves the MLA drafter as it was trained: the same drafter decoding in this process agrees
-    assert abs(child["measured_acceptance_length"] - child["inprocess_acceptance_length"]) < 0.1, child
+    m = client.get_run(child["run_id"]).data.metrics
+    # vLLM serves the MLA drafter as it was trained: the drafter's own forward over the replies vLLM served, on the
+    # hidden states vLLM captured, predicts what vLLM measured on those prompts
+    assert m["eval/predicted/prompts"] >= 3 and abs(m["eval/predicted/difference"]) < 0.1, m
+    # the same drafter decoding in this process drafts too, within vLLM's interval (transformers' DeepSeek-V3 code
+    # computes the miniature's hidden states apart from vLLM's past the first position, so not to 0.1)
+    inprocess = child["inprocess_acceptance_length"]
+    assert 1.0 < inprocess and m["eval/measured/acceptance_length_low"] <= inprocess, (inprocess, m)
+    assert inprocess <= m["eval/measured/acceptance_length_high"], (inprocess, m)
     assert child["lossless"] is True, child
-    m = client.get_run(child["run_id"]).data.metrics  # bf16: near ties, no more beyond them than its own noise
+    # bf16: near ties, no more beyond them than its own noise
     assert m["eval/measured/mismatched_prompts"] <= m["eval/measured/bf16_noise_allowed_prompts"], m
     # what it buys: the same prompts decoded with and without it, wave by wave, at concurrency 1
     value, low, high = child["speedup"]["c1"]
