@@ -27,7 +27,7 @@ def _one(client, run_id: str) -> dict:
     from draftline.data.shards import open_prepared
     from draftline.evaluation.stage import _verifier
     from draftline.evaluation.targets import load_drafter, resolve_target
-    from draftline.evaluation.teacher_forced import measure, served_replies
+    from draftline.evaluation.teacher_forced import measure, served_samples
     from draftline.tracking import experiment_id
 
     run = client.get_run(run_id)
@@ -41,7 +41,7 @@ def _one(client, run_id: str) -> dict:
     drafter = load_drafter(target, _verifier(cfg, data.manifest), data.manifest["aux_layer_ids"], ttt_steps=k)
     records = data.records()
     whole = measure(drafter, records, ttt_steps=k)
-    served = measure(drafter, served_replies(records, prompts, new), ttt_steps=k)
+    served = measure(drafter, [s for _, s in served_samples(records, prompts, new)], ttt_steps=k)
     return {
         "target": p["target"], "data": p["data.name"], "samples": len(records), "served_prompts": prompts,
         "max_new_tokens": new, "evaluate_run": run_id,

@@ -219,15 +219,15 @@ def test_the_walk_over_teacher_forced_drafts_is_what_decoding_counts(verifier, t
 
 def test_the_served_cut_of_longer_replies_predicts_a_shorter_measurement(verifier, trained):
     """An evaluation serves its first prompts for fewer tokens than the data's replies hold: the walk over
-    `served_replies` (those prompts, those first tokens) still gives decoding's counts exactly."""
+    `served_samples` (those prompts, those first tokens) still gives decoding's counts exactly."""
     from draftline.drafter.model import metric_sums
-    from draftline.evaluation.teacher_forced import served_replies
+    from draftline.evaluation.teacher_forced import served_samples
 
     model, _ = verifier
     drafter, held_out = trained
     recs = greedy.records(model, held_out, greedy.greedy_replies(model, held_out, 30, 0), AUX)
     result = measure_chain(model, drafter, held_out[:3], k=3, max_new_tokens=11)
-    cut = served_replies(recs, max_prompts=3, max_new_tokens=11)
+    cut = [sample for _, sample in served_samples(recs, max_prompts=3, max_new_tokens=11)]
     assert [int(r["loss_mask"].sum()) for r in cut] == [11, 11, 11]
     sums = metric_sums(drafter, cut, ttt_steps=3, tokens_per_batch=4096, dtype=torch.float32)
     assert (sums["walk_accepted_total"], sums["walk_accepted_sum"]) == (result.drafts, result.accepted)

@@ -13,6 +13,7 @@ from draftline.evaluation.speed import Side, Speed, fastest_k, sweep_metrics, sw
 from draftline.registry.confidence import Interval, throughput_ratio
 from draftline.registry.evidence import MEASURED, Evaluation, Evidence
 from draftline.registry.policies import Policy, evaluate
+from draftline.serving.engine import wait_idle
 
 
 def test_the_speedup_is_the_ratio_of_tokens_per_second_with_a_paired_interval():
@@ -140,7 +141,7 @@ def test_a_wave_waits_until_the_server_has_gone_idle(busy_s, cap_s, at_least, at
     server = _server_of(f"import time\nt = time.monotonic()\nwhile time.monotonic() - t < {busy_s}: pass\n"
                         "time.sleep(60)")
     try:
-        waited = server.wait_idle(cap_s=cap_s)
+        waited = wait_idle([server], cap_s=cap_s)
         assert at_least <= waited <= at_most, waited
     finally:
         server.stop()

@@ -31,7 +31,7 @@ from draftline.drafter.served import save_served
 from draftline.evaluation.chain import ChainResult
 from draftline.evaluation.speed import decode_side, measure_speed, pair
 from draftline.evaluation.vllm_backend import differences, generate_all, lossless_against, measure_vllm
-from draftline.serving.engine import ServeSpec, VllmServer
+from draftline.serving.engine import ServeSpec, VllmServer, wait_idle
 
 SELF_NOISE_PROMPTS = 64  # bf16: prompts decoded twice by the plain server to measure its own noise
 
@@ -82,7 +82,7 @@ def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k:
         if speed_at and together:
             result.speeds = measure_speed((server.endpoint, server.model), (plain.endpoint, plain.model), prompts,
                                           max_new_tokens=max_new_tokens, concurrencies=speed_at, level=confidence,
-                                          progress=progress, settle=partial(_settle, server, plain))
+                                          progress=progress, settle=partial(wait_idle, [server, plain]))
             server.check_alive()
             server.stop()  # its figures are in; the plain server stays up for any other k swept
             swept = {k: result.speeds}
@@ -91,7 +91,7 @@ def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k:
                     swept[other] = measure_speed((extra.endpoint, extra.model), (plain.endpoint, plain.model),
                                                  prompts, max_new_tokens=max_new_tokens, concurrencies=speed_at,
                                                  level=confidence, progress=progress,
-                                                 settle=partial(_settle, extra, plain))
+                                                 settle=partial(wait_idle, [extra, plain]))
         elif sides:
             plain_side = decode_side((plain.endpoint, plain.model), prompts, max_new_tokens=max_new_tokens,
                                      concurrencies=speed_at or [], progress=progress)
@@ -104,12 +104,6 @@ def measure_loopback(drafter, verifier_dir: str, prompts: list[list[int]], *, k:
             result = _lossless(result, plain, prompts, max_new_tokens, concurrency, progress)
         plain.check_alive()
     return result
-
-
-def _settle(*servers: VllmServer) -> None:
-    """Each wave starts on a quiet machine: every loopback server idle (:meth:`VllmServer.wait_idle`)."""
-    for server in servers:
-        server.wait_idle()
 
 
 def _drafted(spec: ServeSpec, k: int) -> VllmServer:

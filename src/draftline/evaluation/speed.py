@@ -82,7 +82,7 @@ class Speed:
                 f"{p}/plain_latency_s": self.plain.latency_median_s}
 
     def text(self) -> str:
-        return (f"x{self.speedup.text()} at concurrency {self.concurrency} ({self.drafted.tokens_per_s:.1f} vs "
+        return (f"x{self.speedup.text('wave')} at concurrency {self.concurrency} ({self.drafted.tokens_per_s:.1f} vs "
                 f"{self.plain.tokens_per_s:.1f} tokens/s; {self.drafted.tpot_ms:.0f} vs {self.plain.tpot_ms:.0f} "
                 f"ms per token; {self.speedup.n} waves)")
 

@@ -45,7 +45,7 @@ from draftline.evaluation.targets import load_drafter, resolve_target
 from draftline.evaluation.teacher_forced import greedy_replies, measure, prompts_of, served_samples
 from draftline.evaluation.vllm_backend import measure_vllm
 from draftline.registry import evidence, lineage
-from draftline.registry.confidence import PER_PROMPT_FILE, acceptance_interval, carry_per_prompt
+from draftline.registry.confidence import PER_PROMPT_FILE, acceptance_interval, acceptance_of, carry_per_prompt
 from draftline.serving import hf_model
 from draftline.serving.client import TOP_LOGPROBS
 from draftline.serving.engine import cannot_draft_beside, vllm_python
@@ -103,9 +103,7 @@ def _measured_on(per_prompt: list[dict], prompts: list[int]) -> float | None:
     """vLLM's acceptance length over ``prompts`` alone, from the per-prompt evidence (None without it)."""
     if not per_prompt or max(prompts) >= len(per_prompt):
         return None
-    rows = [per_prompt[j] for j in prompts]
-    drafts = sum(r["drafts"] for r in rows)
-    return 1.0 + sum(r["accepted"] for r in rows) / drafts if drafts else 1.0
+    return acceptance_of([per_prompt[j] for j in prompts])
 
 
 def backend_of(cfg: EvaluateConfig, verifier_dir: str, *, mla_drafter: bool = False) -> str:

@@ -3,7 +3,7 @@ simulated acceptance length ``1 + sum_k prod_{j<=k} cond_acc_j`` (SpecForge's ha
 over the same drafts (``walk_acceptance_length``, :mod:`draftline.drafter.walk`), computed by speculators' own
 forward in the pairing vLLM serves, exactly as finetune validates.
 
-:func:`served_replies` cuts the samples to what a measured evaluation serves (the first ``max_prompts``
+:func:`served_samples` cuts the samples to what a measured evaluation serves (the first ``max_prompts``
 prompts, the first ``max_new_tokens`` tokens of each first reply): the walk over those is the acceptance
 length vLLM should report for them, when the replies are the verifier's own greedy output."""
 
@@ -40,16 +40,11 @@ def prompts_of(records: Sequence[Mapping[str, torch.Tensor]]) -> list[list[int]]
     return [r["input_ids"][:first].tolist() for r, first in _prompted(records)]
 
 
-def served_replies(records: Sequence[Mapping[str, torch.Tensor]], max_prompts: int | None,
-                   max_new_tokens: int) -> list[dict[str, torch.Tensor]]:
-    """The samples of :func:`prompts_of`'s first ``max_prompts`` prompts, each cut after the first
-    ``max_new_tokens`` tokens of its first reply: the tokens a measured evaluation asks the server for."""
-    return [s for _, s in served_samples(records, max_prompts, max_new_tokens)]
-
-
 def served_samples(records: Sequence[Mapping[str, torch.Tensor]], max_prompts: int | None, max_new_tokens: int,
                    outputs: Sequence[Sequence[int]] | None = None) -> list[tuple[int, dict[str, torch.Tensor]]]:
-    """``(prompt index, sample)`` for :func:`served_replies`' samples. With ``outputs`` (what the measurement
+    """``(prompt index, sample)`` for :func:`prompts_of`'s first ``max_prompts`` prompts, each cut after the first
+    ``max_new_tokens`` tokens of its first reply: the tokens a measured evaluation asks the server for. With
+    ``outputs`` (what the measurement
     generated, in prompt order) only the samples whose cut reply is, token for token, what was served: a reply
     the data holds but the server did not produce (prepare fell back to re-tokenising lossy reply text, or bf16
     took another branch) says nothing about what was measured on that prompt."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from draftline.config import ExportConfig
 from draftline.drafter.served import save_served, short_form
 from draftline.errors import CheckpointError, DataError
+from draftline.registry.confidence import Interval
 from draftline.registry.lineage import LINEAGE_FILE
 
 
@@ -39,18 +40,16 @@ def evaluation_rows(evaluated: list[dict]) -> str:
             acc += f" [{m['eval/measured/acceptance_length_low']:.3f}, {m['eval/measured/acceptance_length_high']:.3f}]"
         speeds = sorted((int(k.split("/")[2][1:]), k.rsplit("/", 1)[0]) for k in m
                         if k.startswith("eval/speed/c") and k.endswith("/speedup"))
-        speed = "; ".join(f"x{_speedup(m, p)} at concurrency {c} ({m[p + '/drafted_tokens_per_s']:.1f} vs "
+        speed = "; ".join(f"x{_speedup(m, p).text('wave')} at concurrency {c} ({m[p + '/drafted_tokens_per_s']:.1f} vs "
                           f"{m[p + '/plain_tokens_per_s']:.1f} tokens/s)" for c, p in speeds) or "not measured"
         prompts = int(m.get("eval/measured/prompts", 0))
         rows.append(f"| {result['data']['name']} (`{result['data']['digest'][:12]}`) | {prompts} | {acc} | {speed} |")
     return "\n".join(rows)
 
 
-def _speedup(m: dict[str, float], p: str) -> str:
-    """``1.18 [1.08, 1.29]``, or ``0.84 (1 wave: no interval)``."""
-    if m.get(p + "/waves", 2) < 2:
-        return f"{m[p + '/speedup']:.2f} (1 wave: no interval)"
-    return f"{m[p + '/speedup']:.2f} [{m[p + '/speedup_low']:.2f}, {m[p + '/speedup_high']:.2f}]"
+def _speedup(m: dict[str, float], p: str) -> Interval:
+    return Interval(m[p + "/speedup"], m[p + "/speedup_low"], m[p + "/speedup_high"],
+                    m.get("eval/measured/confidence", 0.95), int(m.get(p + "/waves", 2)))
 
 
 def model_card(lineage: dict, metrics: dict[str, float], evaluated: list[dict] | None = None) -> str:

@@ -42,9 +42,11 @@ class Interval:
     def width(self) -> float:
         return self.high - self.low
 
-    def text(self) -> str:
-        if self.n < 2:  # one unit (a prompt, a wave) has no spread to bootstrap
-            return f"{self.value:.2f} (n={self.n}: no interval)"
+    def text(self, unit: str | None = None) -> str:
+        """``1.18 [1.08, 1.29]``; from one unit (a prompt, a wave: no spread to bootstrap) ``0.84 (1 wave: no
+        interval)``, or ``(n=1: ...)`` where no ``unit`` is named."""
+        if self.n < 2:
+            return f"{self.value:.2f} ({f'{self.n} {unit}' if unit else f'n={self.n}'}: no interval)"
         return f"{self.value:.2f} [{self.low:.2f}, {self.high:.2f}]"
 
 
@@ -58,6 +60,11 @@ def _quantiles(values: list[float], level: float) -> tuple[float, float]:
     lo_i = int((1 - level) / 2 * (len(values) - 1))
     hi_i = int(round((1 + level) / 2 * (len(values) - 1)))
     return values[lo_i], values[hi_i]
+
+
+def acceptance_of(rows: list[dict]) -> float:
+    """Acceptance length of ``rows`` (per-prompt ``drafts``/``accepted``): ``1 + accepted / drafts`` over them all."""
+    return _ratio([r["drafts"] for r in rows], [r["accepted"] for r in rows], range(len(rows)))
 
 
 def acceptance_interval(rows: list[dict], *, level: float = 0.95, resamples: int = DEFAULT_RESAMPLES,

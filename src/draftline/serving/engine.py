@@ -273,21 +273,6 @@ class VllmServer:
             total += times.user + times.system
         return total
 
-    def wait_idle(self, *, window_s: float = 0.1, cap_s: float = 5.0) -> float:
-        """Return once the server has used under a tenth of a core over ``window_s``, or after ``cap_s``; the
-        seconds waited. vLLM on a CPU keeps a core busy for about a second after its last request (measured:
-        0.1 CPU-seconds in every 0.1 s for 1.0 s, then none), which a second server measured in that second
-        would lose."""
-        t0 = time.monotonic()
-        last = self.cpu_seconds()
-        while time.monotonic() - t0 < cap_s:
-            time.sleep(window_s)
-            now = self.cpu_seconds()
-            if now - last < 0.1 * window_s:
-                break
-            last = now
-        return time.monotonic() - t0
-
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -322,3 +307,19 @@ class VllmServer:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.stop(keep_log=exc is not None)
+
+
+def wait_idle(servers: list[VllmServer], *, window_s: float = 0.1, cap_s: float = 5.0) -> float:
+    """Return once every one of ``servers`` has used under a tenth of a core over the same ``window_s``, or after
+    ``cap_s``; the seconds waited. vLLM on a CPU keeps a core busy for about a second after its last request
+    (measured: 0.1 CPU-seconds in every 0.1 s for 1.0 s, then none), which another server measured in that
+    second would lose."""
+    t0 = time.monotonic()
+    last = [server.cpu_seconds() for server in servers]
+    while time.monotonic() - t0 < cap_s:
+        time.sleep(window_s)
+        now = [server.cpu_seconds() for server in servers]
+        if all(b - a < 0.1 * window_s for a, b in zip(last, now, strict=True)):
+            break
+        last = now
+    return time.monotonic() - t0
