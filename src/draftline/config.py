@@ -6,6 +6,7 @@ Precedence is flag > config file > default, applied by :func:`resolve` (pure: it
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -99,10 +100,33 @@ class PrepareConfig(_Strict):
                                             "DRAFTLINE_REGENERATE_API_KEY).")
     regenerate_model: str | None = Field(None, description="Model name to request (default: the first model "
                                                            "the endpoint lists).")
-    regenerate_max_tokens: int = Field(512, ge=1, description="Most tokens per regenerated assistant turn.")
+    regenerate_max_tokens: int | None = Field(None, ge=1, description="Most tokens the verifier generates per "
+                                              "regenerated turn, thinking included; a reply cut there is counted "
+                                              "(data/truncated_replies). Default: --max-length for a reasoning "
+                                              "verifier (its tokenizer has </think>: Kimi-K2.5 thinks 2,000-4,000 "
+                                              "tokens), 512 otherwise.")
+    regenerate_keep_truncated: bool = Field(True, description="Keep replies cut at --regenerate-max-tokens (they "
+                                            "are still the verifier's tokens); false: each conversation ends before "
+                                            "its first cut reply.")
+    regenerate_chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="JSON object sent as chat_template_kwargs with every regeneration request, as the "
+        "deployment sends it (e.g. '{\"thinking\": true}'); recorded with the data. A key the verifier's chat "
+        "template ignores is refused.")
     regenerate_concurrency: int = Field(8, ge=1, le=4096, description="Conversations regenerated at once.")
     regenerate_temperature: float = Field(0.0, ge=0.0, le=2.0, description="Sampling temperature for "
                                                                            "regeneration (0: greedy).")
+
+    @field_validator("regenerate_chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, v: object) -> object:
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                raise ValueError(f"expected a JSON object such as '{{\"thinking\": true}}', got {v!r}") from None
+            if not isinstance(v, dict):
+                raise ValueError(f"expected a JSON object such as '{{\"thinking\": true}}', got {v!r}")
+        return v or None
 
     @field_validator("categories", mode="before")
     @classmethod

@@ -117,9 +117,11 @@ def test_mt_bench_questions_as_they_are_become_a_prepared_data_set_of_two_replie
         manifest = build_data(cfg, tmp_path / "data", progress=False)
         assert server.state.requests == 6  # two turns each, answered in order
     reg = manifest["regenerated"]
-    assert manifest["samples"] == 3 and manifest["categories"] == {"reasoning": 3}  # MT-Bench: 10 per category
+    assert manifest["categories"] == {"reasoning": 3}  # MT-Bench: 10 per category
     assert (reg["done"], reg["failed"], reg["prompts"]) == (3, 0, 3)
     assert (reg["turns_from_token_ids"], reg["turns_token_ids_unplaced"]) == (6, 0)
+    # each question's two replies as served: one sample where the second prompt's ids extend the first reply's
+    assert manifest["samples"] == reg["served_samples"] and 3 <= manifest["samples"] <= 6
 
     regenerated = [json.loads(line) for line in Path(_regenerated_file(tmp_path)).read_text().splitlines()]
     questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines()]
@@ -130,6 +132,8 @@ def test_mt_bench_questions_as_they_are_become_a_prepared_data_set_of_two_replie
         assert (u1["content"], u2["content"]) == tuple(q["turns"])
         assert a1["token_ids"] == greedy(verifier, [u1])
         assert a2["token_ids"] == greedy(verifier, [u1, a1, u2])  # the first reply is in the context
+    assert manifest["masked_tokens"] == sum(len(m["token_ids"]) for rec in regenerated for m in rec["messages"]
+                                            if m["role"] == "assistant")  # every generated token, once
 
 
 def _regenerated_file(tmp_path: Path) -> Path:

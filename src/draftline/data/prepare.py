@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from draftline import tracking
 from draftline.config import PrepareConfig, work_dir
 from draftline.console import bar_kwargs, say
-from draftline.data import shards, storage
+from draftline.data import replies, shards, storage
 from draftline.data.capture import iter_hidden_states
 from draftline.data.capture_vllm import iter_hidden_states_vllm, loopback_capture_server, probe_capture
 from draftline.data.conversations import is_prompt, source_digest
@@ -78,13 +78,17 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
     inputs = inputs or read_inputs(cfg)
     samples, categories, skipped = inputs.samples, inputs.categories, inputs.skipped
     prompts = sum(map(is_prompt, samples))
-    regenerated = _regenerate(cfg, cfg.regenerate_endpoint, samples, progress) if cfg.regenerate_endpoint else None
+    verifier_path = inputs.verifier_path
+    tokenizer = hf_model.load_tokenizer(verifier_path)
+    regenerated = (_regenerate(cfg, cfg.regenerate_endpoint, samples, tokenizer, progress)
+                   if cfg.regenerate_endpoint else None)
     if regenerated:
         samples = regenerated.pop("samples")
         regenerated["prompts"] = prompts  # samples that came without an assistant turn
+        counted: replies.ReplyStats = regenerated.pop("stats")
+        regenerated.update(counted.metrics())
 
-    verifier_path = inputs.verifier_path
-    tokenized = _tokenize(cfg, verifier_path, samples, regenerated)
+    tokenized = _tokenize(cfg, tokenizer, samples, regenerated)
     config = verifier_config(verifier_path)
     aux = resolve_aux_layers(cfg.aux_layers, config.num_hidden_layers)
     writer = _shard_writer(cfg, out_dir, key, tokenized, config.vocab_size)
@@ -95,23 +99,35 @@ def build_data(cfg: PrepareConfig, out_dir: Path, *, progress: bool = True, key:
                                                           tokens_source="counted from the tokenised samples"))
     _capture(cfg, writer, verifier_path, config, tokenized, aux, progress)
     save_file({"freqs": writer.freqs}, str(out_dir / shards.FREQS))
+    if regenerated:
+        replies.histogram(counted, Path(out_dir) / replies.HISTOGRAM, max_tokens=regenerated["max_tokens"])
     manifest = _manifest(cfg, out_dir, verifier_path, config, aux, writer.entries, skipped=skipped,
                          categories=categories, regenerated=regenerated)
     return shards.write_manifest(out_dir, manifest)
 
 
-def _tokenize(cfg: PrepareConfig, verifier_path: str, samples: list[dict],
+def _tokenize(cfg: PrepareConfig, tokenizer, samples: list[dict],
               regenerated: dict | None) -> list[TokenizedSample]:
-    """The samples tokenised by the verifier's tokenizer; ``regenerated`` (when given) gains how many assistant
-    turns were tokenised from the server's token ids."""
-    tokenizer = hf_model.load_tokenizer(verifier_path)
+    """The samples tokenised by the verifier's tokenizer (served sequences where the server returned their ids);
+    ``regenerated`` (when given) gains how many turns and samples came from the server's ids, and how many
+    samples ``--max-length`` cut."""
     tokenized = tokenize_conversations(samples, tokenizer, cfg.max_length)
     if regenerated:
+        served = [t for t in tokenized if t.served]
         regenerated["turns_from_token_ids"] = sum(t.turns_from_ids for t in tokenized)
         regenerated["turns_token_ids_unplaced"] = sum(t.turns_ids_unplaced for t in tokenized)
-        log.info("regenerated replies: %d assistant turns tokenised from the server's token ids, %d from text "
-                 "(ids that could not be placed)", regenerated["turns_from_token_ids"],
+        regenerated["served_samples"] = len(served)
+        regenerated["turns_per_sample"] = (sum(t.turns_from_ids for t in served) / len(served)) if served else 0.0
+        cut = [t for t in tokenized if t.cut_tokens]
+        regenerated["cut_at_max_length"] = len(cut)
+        regenerated["tokens_cut_at_max_length"] = sum(t.cut_tokens for t in cut)
+        log.info("regenerated replies: %d samples as served (prompt ids + generated ids), %d assistant turns "
+                 "placed in a template rendering, %d tokenised from text", len(served),
+                 regenerated["turns_from_token_ids"] - sum(t.turns_from_ids for t in served),
                  regenerated["turns_token_ids_unplaced"])
+        if cut:
+            say(f"--max-length {cfg.max_length} cut {len(cut)} of {len(tokenized)} samples "
+                f"({regenerated['tokens_cut_at_max_length']:,} tokens): raise it to train on whole replies")
     if not tokenized:
         raise DataError(f"no conversation in {cfg.conversations} has an assistant token within "
                         f"max_length={cfg.max_length}")
@@ -209,15 +225,34 @@ def _hidden_state_stream(cfg: PrepareConfig, verifier_path: str, config, samples
     yield from iter_hidden_states(verifier, samples, aux, cfg.batch_size)
 
 
-def _regenerate(cfg: PrepareConfig, endpoint: str, samples: list[dict], progress: bool) -> dict:
-    """The samples regenerated by the verifier behind ``endpoint`` (``cfg.regenerate_endpoint``), and what to
-    record."""
-    r = regenerate(samples, endpoint, model=cfg.regenerate_model,
-                   max_tokens=cfg.regenerate_max_tokens, temperature=cfg.regenerate_temperature,
-                   concurrency=cfg.regenerate_concurrency, progress=progress)
-    return {"samples": r.samples, "endpoint": redact(endpoint), "model": r.model,
-            "max_tokens": cfg.regenerate_max_tokens, "temperature": cfg.regenerate_temperature,
-            "file_sha256": r.file_sha256, "done": r.done, "reused": r.reused, "failed": r.failed}
+def regenerate_max_tokens(cfg: PrepareConfig, tokenizer) -> int:
+    """``--regenerate-max-tokens``, or its default: ``--max-length`` for a reasoning verifier (every token of its
+    thinking that a sample can hold), 512 otherwise."""
+    if cfg.regenerate_max_tokens:
+        return cfg.regenerate_max_tokens
+    return cfg.max_length if replies.is_reasoning_verifier(tokenizer) else 512
+
+
+def _regenerate(cfg: PrepareConfig, endpoint: str, samples: list[dict], tokenizer, progress: bool) -> dict:
+    """The samples regenerated by the verifier behind ``endpoint`` (``cfg.regenerate_endpoint``), checked
+    (:func:`replies.check`), counted, cut at their first truncated reply where asked, and what to record."""
+    max_tokens = regenerate_max_tokens(cfg, tokenizer)
+    r = regenerate(samples, endpoint, model=cfg.regenerate_model, max_tokens=max_tokens,
+                   temperature=cfg.regenerate_temperature, concurrency=cfg.regenerate_concurrency,
+                   progress=progress, chat_template_kwargs=cfg.regenerate_chat_template_kwargs)
+    replies.check(r.samples, tokenizer, endpoint=redact(endpoint))
+    counted = replies.stats(r.samples, tokenizer)
+    say(f"regenerated: {counted.summary(max_tokens)}")
+    kept = r.samples if cfg.regenerate_keep_truncated else replies.drop_truncated(r.samples)
+    if counted.replies and counted.truncated == counted.replies:
+        log.warning("every reply was cut at --regenerate-max-tokens %d: raise it (and --max-length) to train on "
+                    "whole replies", max_tokens)
+    return {"samples": kept, "endpoint": redact(endpoint), "model": r.model,
+            "max_tokens": max_tokens, "temperature": cfg.regenerate_temperature,
+            "chat_template_kwargs": cfg.regenerate_chat_template_kwargs,
+            "keep_truncated": cfg.regenerate_keep_truncated,
+            "file_sha256": r.file_sha256, "done": r.done, "reused": r.reused, "failed": r.failed,
+            "stats": counted}
 
 
 def verifier_config(path: str):
@@ -250,6 +285,8 @@ def preflight(cfg: PrepareConfig, inputs: Inputs) -> storage.StoragePlan | None:
     if cfg.capture_endpoint:
         probe_capture(cfg.capture_endpoint, cfg.capture_model or cfg.verifier, num_aux=len(aux),
                       hidden_size=config.hidden_size)
+    if cfg.regenerate_chat_template_kwargs:
+        check_template_kwargs(hf_model.load_tokenizer(verifier), cfg.regenerate_chat_template_kwargs)
     if cfg.regenerate_endpoint:
         models = served_models(cfg.regenerate_endpoint)
         if cfg.regenerate_model and cfg.regenerate_model not in models:
@@ -257,6 +294,24 @@ def preflight(cfg: PrepareConfig, inputs: Inputs) -> storage.StoragePlan | None:
                             f"{cfg.regenerate_model}: pass --regenerate-model with one of {', '.join(models)}")
         probe(cfg.regenerate_endpoint, cfg.regenerate_model or models[0])
     return storage_plan(cfg, inputs, config, aux) if cfg.disk_check else None
+
+
+def check_template_kwargs(tokenizer, kwargs: dict) -> None:
+    """Refuse ``--regenerate-chat-template-kwargs`` keys that the verifier's chat template renders the same with
+    and without (a misspelt switch would regenerate in the mode the deployment does not serve)."""
+    probe = [{"role": "user", "content": "Hello"}]
+    if tokenizer.chat_template is None:
+        raise DataError("--regenerate-chat-template-kwargs: the verifier's tokenizer has no chat template to pass "
+                        "them to")
+    plain = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    ignored = [k for k, v in kwargs.items()
+               if tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, **{k: v}) == plain
+               and tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
+                                                 **{k: not v if isinstance(v, bool) else None}) == plain]
+    if ignored:
+        raise DataError(f"--regenerate-chat-template-kwargs: the verifier's chat template ignores "
+                        f"{', '.join(map(repr, ignored))} (it renders the same with any value): use the keys its "
+                        "template reads (e.g. thinking for Kimi-K2.5, enable_thinking for Qwen3)")
 
 
 def check_room(plan: storage.StoragePlan | None, out: Path) -> None:
@@ -271,9 +326,10 @@ def check_room(plan: storage.StoragePlan | None, out: Path) -> None:
 
 def storage_plan(cfg: PrepareConfig, inputs: Inputs, config, aux: list[int]) -> storage.StoragePlan:
     """The shards' bytes for the samples, their tokens counted from the text with the verifier's tokenizer."""
-    regen = cfg.regenerate_max_tokens if cfg.regenerate_endpoint else None
+    tokenizer = hf_model.load_tokenizer(inputs.verifier_path)
+    regen = regenerate_max_tokens(cfg, tokenizer) if cfg.regenerate_endpoint else None
     samples = inputs.samples
-    tokens = storage.estimate_tokens(samples, hf_model.load_tokenizer(inputs.verifier_path), cfg.max_length, regen)
+    tokens = storage.estimate_tokens(samples, tokenizer, cfg.max_length, regen)
     source = ("measured from the conversations' text" if regen is None else
               f"measured from the prompts, each answer counted as --regenerate-max-tokens {regen}: an upper bound")
     return storage.shard_bytes(config.hidden_size, len(aux), tokens=tokens, samples=len(samples),
@@ -309,24 +365,48 @@ def run(cfg: PrepareConfig, *, progress: bool = True, inputs: Inputs | None = No
             "data.location": manifest["location"],
             "data.shards_logged": cfg.log_shards,
             "data.hidden_storage": cfg.hidden_storage,
+            **_regeneration_params(manifest),
         })
         mlflow.log_metrics({"data/samples": manifest["samples"], "data/tokens": manifest["tokens"],
                             "data/masked_tokens": manifest["masked_tokens"],
                             "data/skipped_records": manifest["skipped_records"],
                             "data/bytes_per_token": manifest["bytes_per_token"],
-                            "data/shard_bytes": sum((out / e["file"]).stat().st_size for e in manifest["shards"])},
-                           step=0)
+                            "data/shard_bytes": sum((out / e["file"]).stat().st_size for e in manifest["shards"]),
+                            **_regeneration_metrics(manifest)}, step=0)
         mlflow.log_input(lineage.data_set(manifest, cfg.name), context="training",
                          tags=lineage.data_set_tags(manifest))
         mlflow.set_tags({"draftline.data.digest": manifest["digest"], **lineage.environment_tags()})
         # the manifest (location + every shard's sha256) and the frequencies always; the shards only if asked
         for name in (shards.MANIFEST, shards.FREQS):
             mlflow.log_artifact(str(out / name), artifact_path="data")
+        if (out / replies.HISTOGRAM).is_file():
+            mlflow.log_artifact(str(out / replies.HISTOGRAM), artifact_path="data")
         if cfg.log_shards:
             for e in manifest["shards"]:
                 mlflow.log_artifact(str(out / e["file"]), artifact_path="data")
     return {"run_id": run_id, "data_uri": f"runs:/{run_id}/data", "digest": manifest["digest"],
             "location": manifest["location"]}
+
+
+def _regeneration_params(manifest: dict) -> dict[str, object]:
+    regenerated = manifest.get("regenerated")
+    if not regenerated:
+        return {}
+    kwargs = regenerated.get("chat_template_kwargs")
+    return {"data.regenerate.max_tokens": regenerated["max_tokens"],
+            "data.regenerate.keep_truncated": regenerated.get("keep_truncated", True),
+            "data.regenerate.chat_template_kwargs": json.dumps(kwargs, sort_keys=True) if kwargs else "none"}
+
+
+def _regeneration_metrics(manifest: dict) -> dict[str, float]:
+    """What the verifier generated, as the data run's metrics (``data/replies``, ``data/truncated_replies``, ...)."""
+    regenerated = manifest.get("regenerated") or {}
+    out = {k: float(v) for k, v in regenerated.items() if k.startswith("data/")}
+    if regenerated:
+        out.update({"data/served_samples": float(regenerated.get("served_samples", 0)),
+                    "data/turns_per_sample": float(regenerated.get("turns_per_sample", 0.0)),
+                    "data/cut_at_max_length": float(regenerated.get("cut_at_max_length", 0))})
+    return out
 
 
 def _unfinished_run(key: str) -> str | None:

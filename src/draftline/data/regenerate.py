@@ -3,9 +3,11 @@
 Each assistant turn is replaced by the server's reply to the history before it (system and user turns kept,
 earlier assistant turns already regenerated), and each user turn that no assistant turn follows (a prompt, or
 the turns of an MT-Bench question) gets the server's reply appended, so multi-turn prompts are answered turn by
-turn with the verifier's earlier replies in context. Requests ask for the reply's token ids
-(``return_token_ids``, which vLLM answers with ``token_ids`` in each choice); where the server returns them they
-are kept on the assistant message (``token_ids``) and tokenisation uses them instead of the text.
+turn with the verifier's earlier replies in context. Requests ask for the token ids (``return_token_ids``, which
+vLLM answers with the prompt's ``prompt_token_ids`` and each choice's generated ``token_ids``); the assistant
+message keeps them with what the server said of the reply (``finish_reason``, and the thinking a reasoning
+parser split off as ``reasoning``), and tokenisation takes the served sequence from the ids
+(:mod:`draftline.data.tokenize`). ``chat_template_kwargs`` (e.g. ``{"thinking": true}``) go with every request.
 
 Finished conversations are appended, one JSONL line each, to ``<key>.jsonl.partial``, so an interrupted run
 resumes where it stopped; once all are done the partial file is renamed to ``<key>.jsonl``, which later runs
@@ -59,13 +61,18 @@ def cache_dir() -> Path:
     return cache_root() / "regenerated"
 
 
-def cache_key(samples: list[dict], model: str, max_tokens: int, temperature: float, seed: int) -> str:
+FORMAT = 2  # 2: replies keep the prompt ids, the reasoning and finish_reason
+
+
+def cache_key(samples: list[dict], model: str, max_tokens: int, temperature: float, seed: int,
+              chat_template_kwargs: dict | None = None) -> str:
     """sha256 over the conversations (content and order) and the generation settings."""
     inputs = hashlib.sha256()
     for s in samples:
         inputs.update(json.dumps(s, sort_keys=True, ensure_ascii=False).encode() + b"\n")
     key = {"inputs": inputs.hexdigest(), "model": model, "max_tokens": max_tokens,
-           "temperature": float(temperature), "seed": seed}
+           "temperature": float(temperature), "seed": seed, "format": FORMAT,
+           **({"chat_template_kwargs": chat_template_kwargs} if chat_template_kwargs else {})}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
@@ -136,16 +143,35 @@ async def _answers(client: httpx.AsyncClient) -> bool:
         return False
 
 
+def _int_list(value: object) -> list[int] | None:
+    if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return list(value)
+    return None
+
+
 def _reply(body: dict) -> dict:
-    """The assistant message of a chat completion response, with ``token_ids`` when the server sent them."""
+    """The assistant message of a chat completion response as the server returned it: ``content``, the thinking
+    a reasoning parser split off (``reasoning``, from vLLM's ``reasoning_content`` or ``reasoning``), tool calls,
+    ``finish_reason``, and the ids (``token_ids``: every generated id; ``prompt_token_ids``: the prompt's, as the
+    server rendered it) when the server sent them."""
     try:
         choice = body["choices"][0]
-        message = {"role": "assistant", "content": choice["message"]["content"] or ""}
-    except (KeyError, IndexError, TypeError):
+        sent = choice["message"]
+        message = {"role": "assistant", "content": sent.get("content") or ""}
+    except (KeyError, IndexError, TypeError, AttributeError):
         raise _Failed("malformed chat completion response") from None
-    ids = choice.get("token_ids")
-    if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    reasoning = sent.get("reasoning_content") or sent.get("reasoning")
+    if isinstance(reasoning, str) and reasoning:
+        message["reasoning"] = reasoning
+    if sent.get("tool_calls"):
+        message["tool_calls"] = sent["tool_calls"]
+    message["finish_reason"] = str(choice.get("finish_reason") or "unknown")
+    ids = _int_list(choice.get("token_ids"))
+    if ids:
         message["token_ids"] = ids
+        prompt = _int_list(body.get("prompt_token_ids") or choice.get("prompt_token_ids"))
+        if prompt:
+            message["prompt_token_ids"] = prompt
     return message
 
 
@@ -169,8 +195,9 @@ async def _complete(client: httpx.AsyncClient, settings: dict, messages: list[di
                 except ValueError:
                     raise _Failed("malformed chat completion response") from None
             why = f"HTTP {r.status_code}: {first_line(r.text)}"
-            if r.status_code == 400 and "return_token_ids" in r.text and settings.pop("return_token_ids", None):
-                log.warning("the regeneration endpoint refuses return_token_ids; replies are tokenised from text")
+            if r.status_code == 400 and "return_token_ids" in r.text and body.get("return_token_ids"):
+                if settings.pop("return_token_ids", None):  # once, for every worker (others may have asked too)
+                    log.warning("the regeneration endpoint refuses return_token_ids; replies are tokenised from text")
                 attempt -= 1
                 continue
             if r.status_code not in (408, 429) and r.status_code < 500:
@@ -253,7 +280,8 @@ def _await(coro):
 
 def regenerate(samples: list[dict], endpoint: str, *, model: str | None = None, max_tokens: int = 512,
                temperature: float = 0.0, concurrency: int = 8, seed: int = 0, max_attempts: int = 5,
-               backoff_s: float = 1.0, timeout_s: float = 600.0, progress: bool = True) -> Regenerated:
+               backoff_s: float = 1.0, timeout_s: float = 600.0, progress: bool = True,
+               chat_template_kwargs: dict | None = None) -> Regenerated:
     """Regenerate every assistant turn of ``samples``, and answer every user turn no assistant turn follows,
     with ``model`` served at ``endpoint`` (see the module)."""
     if not samples:
@@ -261,7 +289,7 @@ def regenerate(samples: list[dict], endpoint: str, *, model: str | None = None, 
     shown = redact(endpoint)
     served = [] if model else served_models(endpoint)
     model = model or served[0]
-    final = cache_dir() / f"{cache_key(samples, model, max_tokens, temperature, seed)}.jsonl"
+    final = cache_dir() / f"{cache_key(samples, model, max_tokens, temperature, seed, chat_template_kwargs)}.jsonl"
     if final.is_file():
         records, whole = _read(final, len(samples))
         if not whole or len(records) != len(samples):
@@ -285,7 +313,8 @@ def regenerate(samples: list[dict], endpoint: str, *, model: str | None = None, 
             log.info("regenerating %d conversations with %s at %s (%d already done)", len(todo), model, shown,
                      len(reused))
         settings = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-                    "return_token_ids": True}
+                    "return_token_ids": True,
+                    **({"chat_template_kwargs": chat_template_kwargs} if chat_template_kwargs else {})}
         try:
             new, failures = _await(_run(samples, todo, partial, endpoint, settings, concurrency=concurrency,
                                         max_attempts=max_attempts, backoff_s=backoff_s, timeout_s=timeout_s,

@@ -1,6 +1,14 @@
 """Tokenise conversations exactly as the verifier sees them, with an assistant-only loss mask.
 
-The mask is derived from the chat template itself: for each assistant turn, the text the template renders
+A regenerated turn whose server returned both the prompt's ids and the reply's (vLLM's ``return_token_ids``:
+``prompt_token_ids`` and the choice's ``token_ids``) is taken as served: the sample is those prompt ids followed
+by the generated ids, the loss on every generated id (thinking, answer, tool calls and the stop token alike),
+whatever the server's reasoning parser made of the text. A later turn of the same conversation whose prompt ids
+start with the previous sample continues it (one sample, several replies in the loss); where the template
+renders the history otherwise (reasoning templates drop past thinking), the turn starts a sample of its own.
+
+Conversations without served ids (not regenerated, or a server that returns no ids) are rendered by the chat
+template. The mask is derived from the chat template itself: for each assistant turn, the text the template renders
 for the turn (prefix with ``add_generation_prompt=True`` up to the rendering that includes the turn) is
 located by character offsets, so any template whose renderings are prefix-stable works, generation tags or not.
 
@@ -29,6 +37,8 @@ class TokenizedSample:
     loss_mask: list[int]
     turns_from_ids: int = 0  # assistant turns whose tokens are the server's reply ids
     turns_ids_unplaced: int = 0  # turns that carried ids but were tokenised from their text
+    served: bool = False  # the sequence the server saw and generated (prompt ids + reply ids)
+    cut_tokens: int = 0  # tokens past max_length, cut off
 
     @property
     def num_masked(self) -> int:
@@ -118,12 +128,68 @@ def tokenize_sample(tokenizer, sample: dict, max_length: int) -> TokenizedSample
         mask += seg_mask + [1] * len(reply)
         pos = b
     return TokenizedSample(id=sample["id"], input_ids=ids[:max_length], loss_mask=mask[:max_length],
-                           turns_from_ids=len(cuts), turns_ids_unplaced=unplaced)
+                           turns_from_ids=len(cuts), turns_ids_unplaced=unplaced,
+                           cut_tokens=max(0, len(ids) - max_length))
+
+
+def _int_ids(value: object) -> list[int] | None:
+    if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return list(value)
+    return None
+
+
+def served_turns(messages: list[dict]) -> list[tuple[list[int], list[int]]] | None:
+    """``(prompt ids, reply ids)`` of each regenerated assistant turn, when every one of them carries both (the
+    served path), else None."""
+    turns = []
+    for m in messages:
+        if m["role"] != "assistant" or "finish_reason" not in m and "token_ids" not in m:
+            continue  # a turn kept as it came (not regenerated)
+        prompt, reply = _int_ids(m.get("prompt_token_ids")), _int_ids(m.get("token_ids"))
+        if prompt is None or reply is None:
+            return None
+        turns.append((prompt, reply))
+    return turns or None
+
+
+def served_samples(sample: dict, turns: list[tuple[list[int], list[int]]], max_length: int) -> list[TokenizedSample]:
+    """The served sequences of one conversation: a turn whose prompt ids start with the sample so far continues
+    it, any other starts a new one (``<id>#<n>`` from the second on)."""
+    out: list[TokenizedSample] = []
+    ids: list[int] = []
+    mask: list[int] = []
+    turns_in = 0
+
+    def close() -> None:
+        if ids:
+            name = sample["id"] if not out else f"{sample['id']}#{len(out) + 1}"
+            out.append(TokenizedSample(id=name, input_ids=ids[:max_length], loss_mask=mask[:max_length],
+                                       turns_from_ids=turns_in, served=True,
+                                       cut_tokens=max(0, len(ids) - max_length)))
+
+    for prompt, reply in turns:
+        if ids and prompt[:len(ids)] == ids:
+            ids, mask = ids + prompt[len(ids):] + reply, mask + [0] * (len(prompt) - len(ids)) + [1] * len(reply)
+            turns_in += 1
+            continue
+        close()
+        ids, mask, turns_in = prompt + reply, [0] * len(prompt) + [1] * len(reply), 1
+    close()
+    return out
+
+
+def tokenize(tokenizer, sample: dict, max_length: int) -> list[TokenizedSample]:
+    """One conversation's samples: its served sequences where every regenerated turn carries the server's ids
+    (see the module), else one sample rendered by the chat template."""
+    turns = served_turns(sample["messages"])
+    if turns is not None:
+        return served_samples(sample, turns, max_length)
+    return [tokenize_sample(tokenizer, sample, max_length)]
 
 
 def tokenize_conversations(samples: list[dict], tokenizer, max_length: int) -> list[TokenizedSample]:
     """Tokenise every conversation; samples left with no assistant token after truncation are dropped."""
-    if tokenizer.chat_template is None:
+    if not all(served_turns(s["messages"]) for s in samples) and tokenizer.chat_template is None:
         raise DataError("the verifier's tokenizer has no chat template; prepare needs one to tokenise conversations")
-    out = [tokenize_sample(tokenizer, s, max_length) for s in samples]
+    out = [t for s in samples for t in tokenize(tokenizer, s, max_length)]
     return [t for t in out if t.num_masked > 0]

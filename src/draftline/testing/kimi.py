@@ -17,7 +17,9 @@ layer and lightseek's MLA one).
 
 The language model is transformers' ``DeepseekV3ForCausalLM`` with random weights: hidden 256, 8 layers,
 4 heads, MLA with DeepSeek's own head dims (vLLM's CPU MLA backend serves no other, and only in bf16), 8 routed
-experts of which 2 per token plus 1 shared, the first layer dense, sigmoid ``noaux_tc`` routing.
+experts of which 2 per token plus 1 shared, the first layer dense, sigmoid ``noaux_tc`` routing, Kimi's yarn rope
+(:data:`ROPE_SCALING`). Its tokenizer has Kimi's chat tokens and ``<think>``/``</think>``: a reasoning verifier,
+served with ``--reasoning-parser kimi_k2`` as Kimi-K2.5 is.
 """
 
 from __future__ import annotations
@@ -38,15 +40,25 @@ KIMI_K25_VERIFIER_ID = "draftline/tiny-kimi-k25"
 CODE = Path(__file__).parent / "kimi_code"
 # Kimi's chat roles: <|im_user|>user<|im_middle|>...<|im_end|>
 KIMI_SPECIAL = ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|media_begin|>",
-                "<|media_content|>", "<|media_end|>", "<|media_pad|>", "<|kimi_k25_video_placeholder|>"]
+                "<|media_content|>", "<|media_end|>", "<|media_pad|>", "<|kimi_k25_video_placeholder|>",
+                "<think>", "</think>"]
+# Kimi-K2.5's template in miniature: past assistant turns without their thinking; the generation prompt opens the
+# reply, and with chat_template_kwargs {"thinking": false} closes an empty thinking block (instant mode).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_' + message['role'] + '|>' + message['role'] + '<|im_middle|>' }}"
     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
     "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}"
+    "{% if thinking is defined and not thinking %}{{ '<think></think>' }}{% endif %}{% endif %}"
 )
+# Kimi-K2's and K2.5's rope as their config.json carries it: yarn over a 4,096-token original context (factor 32
+# for K2's 131,072 positions). It is also what keeps the miniature what it claims in vLLM on a CPU: yarn takes
+# vLLM's native rotary path, where plain rope went through a C++ op that misreads MLA's strided views.
+ROPE_THETA = 50000.0
+ROPE_SCALING = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 TEXT: dict[str, Any] = dict(
     hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=8,
     num_attention_heads=4, num_key_value_heads=4,
@@ -54,7 +66,7 @@ TEXT: dict[str, Any] = dict(
     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
     n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, topk_method="noaux_tc",
     scoring_func="sigmoid",
-    max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=0.05, tie_word_embeddings=False,
+    max_position_embeddings=131072, rms_norm_eps=1e-6, initializer_range=0.05, tie_word_embeddings=False,
 )
 # A random DeepSeek-V3 is either flat (init 0.02: top-1 probability ~0.005) or chaotic in bf16 (init 0.12: fp32
 # and bf16 agree on the next token 51% of the time, measured on 256 random contexts). Moderate layers and a head
@@ -71,8 +83,10 @@ DRAFT_VOCAB = 256
 
 def build_text_model(tokenizer, *, seed: int = 0):
     """The DeepSeek-V3 language model (random weights; see :data:`HEAD_SCALE`)."""
+    rope = {"rope_type": "yarn", "rope_theta": ROPE_THETA, **{k: v for k, v in ROPE_SCALING.items() if k != "type"}}
     config = DeepseekV3Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TEXT)
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                              rope_parameters=rope, **TEXT)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():
@@ -96,7 +110,9 @@ def _write_k2(model, tokenizer, out: Path) -> None:
     for name in ("configuration_kimi.py", "modeling_kimi.py", "tokenization_kimi.py"):
         shutil.copyfile(CODE / name, out / name)
     cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("rope_parameters", None)  # as Kimi ships it: rope_theta and rope_scaling
     cfg.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], _name_or_path=KIMI_VERIFIER_ID,
+               rope_theta=ROPE_THETA, rope_scaling=ROPE_SCALING,
                auto_map={"AutoConfig": "configuration_kimi.KimiK2Config",
                          "AutoModel": "modeling_kimi.KimiK2Model",
                          "AutoModelForCausalLM": "modeling_kimi.KimiK2ForCausalLM"})

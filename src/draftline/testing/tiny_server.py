@@ -95,9 +95,13 @@ def create_app(  # noqa: C901  (the routes of the test server, one closure each)
                fail_after: int | None = None, api_key: str | None = None, state: ServerState | None = None,
                hidden_states_dir: str | Path | None = None, aux_layer_ids: list[int] | None = None,
                max_batch: int = 32, batch_wait_s: float = 0.1,
-               speculative_drafter: str | Path | None = None, num_speculative_tokens: int = 3):
+               speculative_drafter: str | Path | None = None, num_speculative_tokens: int = 3,
+               reasoning_parser: bool = False, token_ids: bool = True):
     """The FastAPI app serving ``model_dir`` (weights + tokenizer with a chat template) on the CPU;
     with ``api_key``, /v1 requests without ``Authorization: Bearer <api_key>`` get 401 (as vLLM's --api-key).
+    ``reasoning_parser``: the reply's text is split as vLLM's ``deepseek_r1`` parser splits it (up to ``</think>``
+    into ``reasoning``, all of it when none comes). ``token_ids=False``: ``return_token_ids`` is refused with a 400
+    naming it (a server that cannot return ids).
     Greedy requests arriving within ``batch_wait_s`` of each other share a generate call of up to ``max_batch``."""
     model_dir = str(Path(model_dir).resolve())
     name = served_model_name or model_dir
@@ -138,6 +142,8 @@ def create_app(  # noqa: C901  (the routes of the test server, one closure each)
             return error(404, f"The model `{req.model}` does not exist.", "NotFoundError")
         if req.stream:
             return error(400, "streaming is not supported by the tiny server", "BadRequestError")
+        if req.return_token_ids and not token_ids:
+            return error(400, "return_token_ids is not supported by this server", "BadRequestError")
         messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -148,7 +154,11 @@ def create_app(  # noqa: C901  (the routes of the test server, one closure each)
         text = tokenizer.decode(out, skip_special_tokens=True)
         with state.lock:
             state.completions += 1
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning_parser:  # deepseek_r1: the thinking up to </think>, all of the output when none comes
+            thought, end, answer = text.partition("</think>")
+            message = {"role": "assistant", "reasoning": thought, "content": answer if end else None}
+        choice = {"index": 0, "message": message, "logprobs": None,
                   "finish_reason": "stop" if stopped else "length"}
         body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": name, "choices": [choice],
