@@ -151,7 +151,7 @@ def create_app(  # noqa: C901  (the routes of the test server, one closure each)
         sampling = (req.temperature, req.top_p, req.seed) if req.temperature > 0 else None
         out = batcher.generate(ids, max_new, sampling)
         stopped = bool(out) and out[-1] == tokenizer.eos_token_id
-        text = tokenizer.decode(out, skip_special_tokens=True)
+        text = str(tokenizer.decode(out, skip_special_tokens=True))
         with state.lock:
             state.completions += 1
         message: dict[str, Any] = {"role": "assistant", "content": text}
