@@ -56,6 +56,29 @@ def _no_mlflow_state_from_other_tests(monkeypatch):
         mlflow.end_run()
 
 
+@pytest.fixture(autouse=True)
+def _nothing_left_running():
+    """No test leaves a process of its own running (a vLLM server, a rank, a launcher): whatever a test started
+    and did not end is ended here, after its own fixtures, and the test errors naming it, so the next test starts
+    on a quiet machine and with its ports free. Processes of longer-lived fixtures (a session's MLflow server)
+    were started before this check's snapshot and are left alone."""
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    left = [p for p in me.children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(left, timeout=10)  # a process ending on its own is given a moment
+    named = []
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            named.append(f"{p.pid} {' '.join(p.cmdline()[:4])[:120]}")
+            p.kill()
+    psutil.wait_procs(alive, timeout=10)
+    if named:
+        pytest.fail(f"the test left {len(named)} process(es) running (ended now): {'; '.join(named)}")
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory, request) -> dict[str, Path]:
     """The tiny verifier and its AQ-MedAI-layout parent. The parent is trained (150 steps) only when an

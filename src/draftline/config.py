@@ -169,7 +169,10 @@ class FinetuneConfig(_Strict):
                                     "the launchers also use the next one [default: MASTER_PORT, else 29500].")
     rendezvous_timeout: float = Field(300.0, gt=0, description="Seconds a node waits for node 0 to answer and "
                                       "node 0 for every node to join, before it gives up.")
-    steps: int = Field(200, ge=1, description="Optimiser steps.")
+    steps: int = Field(200, ge=1, description="Optimiser steps (--epochs sets them from the data instead).")
+    epochs: float | None = Field(None, gt=0, le=1000, description="Passes over the prepared data: steps = "
+                                 "ceil(epochs x training tokens / (ranks x --tokens-per-batch)), said before "
+                                 "training and recorded as train.epochs; replaces --steps.")
     lr: float = Field(1e-3, gt=0, le=1.0, description="Peak learning rate (AdamW); how the default was "
                       "chosen: docs/real-tier.md, the recipe sweep.")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")

@@ -58,11 +58,25 @@ def files_digest(paths) -> str:
     return manifest_digest(file_manifest(paths))
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+def free_port(span: int = 1) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, and with ``span`` > 1 the ports after it too
+    (a finetune's ``--master-port`` takes the port and the next one)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + span - 1 <= 65535 and all(_free(port + i) for i in range(1, span)):
+            return port
+    raise OSError(f"no {span} free consecutive TCP ports on 127.0.0.1")
+
+
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 @contextlib.contextmanager

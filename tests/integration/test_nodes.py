@@ -32,22 +32,24 @@ def _runs():
     return client.search_runs([exp.experiment_id]) if exp else []
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)  # generous: a slow CPU (no AMX, bf16 or fp32) trains these 4 steps in ~2 min
 def test_two_nodes_train_the_drafter_of_one_node_with_two_ranks(workspace, prepared):
     from draftline.drafter.handoff import consolidate
 
     flags = ["--data", prepared, "--init", "tiny", "--steps", "4", "--save-every", "2", "--tokens-per-batch", "512",
              "--val-fraction", "0"]
-    port = free_port()
-    disagree = [_node(flags, 1, port, "--steps", "5"), _node(flags, 0, port)]
-    outs = [p.communicate(timeout=300) for p in disagree]
+    port = free_port(2)
+    # a node that disagrees is told before anything trains; a bounded rendezvous keeps a lost answer from hanging
+    disagree = [_node(flags, 1, port, "--steps", "5", "--rendezvous-timeout", "120"),
+                _node(flags, 0, port, "--rendezvous-timeout", "120")]
+    outs = [p.communicate(timeout=600) for p in disagree]
     assert [p.returncode for p in disagree] != [0, 0]
     assert "steps (4 on node 0, 5 on node 1)" in outs[0][1] and "steps (4 on node 0, 5 on node 1)" in outs[1][1]
     assert "Traceback" not in outs[0][1] + outs[1][1] and _runs() == []  # nothing opened
 
-    port = free_port()
+    port = free_port(2)
     nodes = [_node(flags, 1, port), _node(flags, 0, port)]
-    (out1, err1), (out0, err0) = (p.communicate(timeout=600) for p in nodes)
+    (out1, err1), (out0, err0) = (p.communicate(timeout=900) for p in nodes)
     assert nodes[1].returncode == 0, err0[-3000:]
     assert nodes[0].returncode == 0, err1[-3000:]
     run_id = json.loads(out0)["run_id"]
@@ -65,12 +67,12 @@ def test_two_nodes_train_the_drafter_of_one_node_with_two_ranks(workspace, prepa
 
 
 def test_a_node_whose_master_does_not_answer_says_so(workspace, prepared):
-    node = _node(["--data", prepared, "--init", "tiny", "--steps", "2"], 1, free_port(), "--rendezvous-timeout", "2")
+    node = _node(["--data", prepared, "--init", "tiny", "--steps", "2"], 1, free_port(2), "--rendezvous-timeout", "2")
     _, err = node.communicate(timeout=120)
     assert node.returncode != 0 and "node 0 did not answer" in err and "Traceback" not in err
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)  # generous: two nodes, a kill and a resume on a slow CPU
 def test_a_node_lost_mid_training_stops_every_node_and_the_job_resumes_across_nodes(workspace, prepared):
     """kill -9 of node 1's whole process group at its first checkpoint: node 0 ends its ranks and the run FAILED
     with the resume line; both nodes rerun with --resume and finish the same run, its steps continued. (Enough steps
@@ -79,7 +81,7 @@ def test_a_node_lost_mid_training_stops_every_node_and_the_job_resumes_across_no
     flags = ["--data", prepared, "--init", "tiny", "--steps", str(steps), "--save-every", "2", "--tokens-per-batch",
              "512", "--val-fraction", "0"]
     fast = {"DRAFTLINE_NODE_STALE_S": "5"}
-    port = free_port()
+    port = free_port(2)
     one, zero = _node(flags, 1, port, env=fast), _node(flags, 0, port, env=fast)
     deadline, latest = time.monotonic() + 400, None
     while time.monotonic() < deadline and latest is None and zero.poll() is None:
@@ -96,7 +98,7 @@ def test_a_node_lost_mid_training_stops_every_node_and_the_job_resumes_across_no
     assert run.info.status == "FAILED"
     assert not [p for p in _children() if p != os.getpid()], "a rank was left running"
 
-    port = free_port()
+    port = free_port(2)
     resumed = [_node(flags, 1, port, "--resume", run.info.run_id), _node(flags, 0, port, "--resume", run.info.run_id)]
     (_, e1), (out0, e0) = (p.communicate(timeout=600) for p in resumed)
     assert [p.returncode for p in resumed] == [0, 0], (e0[-2000:], e1[-2000:])

@@ -265,3 +265,49 @@ def test_a_verifier_of_another_width_than_the_drafter_is_refused_in_one_line(run
     bad.write_text("{")
     r = run("plan", "--verifier", bad)
     assert r.exit_code == 2 and "verifier config" in r.stderr and "is unreadable" in r.stderr
+
+
+def test_the_real_run_is_planned_phase_by_phase_with_its_nodes_and_disk(run):
+    """plan --samples 25000: regeneration, capture, training and evaluation, each with its time, the nodes it needs
+    and the disk bandwidth it asks; training reads 8 ranks x 4,096 tokens x 57,353 bytes every step."""
+    r = run("plan", "--drafter-layer", "mla", "--samples", "25000", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    phases = {p["name"]: p for p in out["run"]["phases"]}
+    assert list(phases) == ["regeneration", "capture", "training", "evaluation"]
+    steps = out["run"]["steps"]
+    assert steps == -(-25000 * 3000 // (8 * 4096))  # one epoch
+    read = 8 * 4096 * out["storage"]["bytes_per_token"]
+    assert read == 8 * 4096 * 57353
+    training = phases["training"]
+    assert training["seconds"] >= steps * read / (3.0 * 1e9) * 0.999  # never faster than the disk reads the shards
+    assert training["disk_bound"] is (training["disk_gb_s"] > 3.0)
+    assert "second 8-GPU node" in phases["capture"]["nodes"] and "serving node" in phases["regeneration"]["nodes"]
+    assert phases["regeneration"]["seconds"] == pytest.approx(25000 * 3000 / 1500)
+    assert out["run"]["total_s"] == pytest.approx(sum(p["seconds"] for p in phases.values()))
+    twice = json.loads(run("plan", "--drafter-layer", "mla", "--samples", "25000", "--epochs", "2", "--disk-gb-s",
+                           "30", "--json").stdout)
+    assert twice["run"]["steps"] == -(-2 * 25000 * 3000 // (8 * 4096))
+    assert not {p["name"]: p for p in twice["run"]["phases"]}["training"]["disk_bound"]  # a faster disk: the GPUs
+    text = run("plan", "--drafter-layer", "mla", "--samples", "25000").stdout
+    assert "the run, phase by phase" in text and "capture" in text and "--regenerate-tokens-per-s 1500" in text
+
+
+def test_plan_takes_the_lengths_measured_on_a_prepared_data_set(run, prepared):
+    from draftline.data.shards import open_prepared
+
+    manifest = open_prepared(prepared, verify=False).manifest
+    out = json.loads(run("plan", "--data", str(prepared), "--samples", "1000", "--json").stdout)
+    assert out["run"]["tokens_per_sample"] == round(manifest["tokens"] / manifest["samples"])
+    assert out["run"]["reply_tokens"] == int(manifest["masked_tokens"] / manifest["samples"])
+    assert out["storage"]["tokens"] == 1000 * out["run"]["tokens_per_sample"]
+
+
+def test_epochs_set_the_steps_from_the_data():
+    from draftline.config import FinetuneConfig
+    from draftline.train.finetune import steps_for_epochs
+
+    cfg = FinetuneConfig(data="x", epochs=2, tokens_per_batch=1000, val_fraction=0.1)
+    assert steps_for_epochs(cfg, {"tokens": 100_000}, 4, held_out=False) == 45  # 2 x 90,000 / 4,000
+    assert steps_for_epochs(cfg, {"tokens": 100_000}, 4, held_out=True) == 50  # an evaluation set: no share held
+    assert steps_for_epochs(cfg.model_copy(update={"epochs": 0.001}), {"tokens": 100}, 8, held_out=True) == 1

@@ -9,6 +9,7 @@ import click
 
 from draftline.cli.common import _stdout_to_stderr, cli
 from draftline.data.storage import DEFAULT_SAMPLES, DEFAULT_TOKENS_PER_SAMPLE
+from draftline.train import phases
 from draftline.train.interconnect import DEFAULT_GPU, DEFAULT_GPU_MEMORY_GIB, DEFAULT_TFLOPS, LINKS
 
 
@@ -55,25 +56,63 @@ from draftline.train.interconnect import DEFAULT_GPU, DEFAULT_GPU_MEMORY_GIB, DE
               help="Share of GPU memory kept free for what is not modelled (CUDA context, NCCL, fragmentation).")
 @click.option("--zero-stage", type=click.IntRange(0, 3), default=None,
               help="The stage you will train with: exit 1 when it does not fit.")
+@click.option("--data", default=None,
+              help="A prepared data set (runs:/<prepare run>/data or its folder): its measured tokens a sample and "
+                   "generated tokens a reply replace --tokens-per-sample's assumption.")
+@click.option("--epochs", type=click.FloatRange(0, 1000, min_open=True), default=1.0, show_default=True,
+              help="Passes over the data (finetune --epochs): the training phase's steps.")
+@click.option("--regenerate-tokens-per-s", type=click.FloatRange(0, min_open=True),
+              default=phases.Assumptions.regenerate_tokens_per_s, show_default=True,
+              help="The serving endpoint's aggregate decode rate while it answers the prompts (vLLM's "
+                   "generation_tokens_total over a busy minute).")
+@click.option("--capture-tokens-per-s", type=click.FloatRange(0, min_open=True),
+              default=phases.Assumptions.capture_tokens_per_s, show_default=True,
+              help="The verifier's prefill rate with hidden-state extraction (prompt tokens/s).")
+@click.option("--disk-gb-s", type=click.FloatRange(0, min_open=True), default=phases.Assumptions.disk_gb_s,
+              show_default=True, help="The shards' file system's bandwidth (capture writes, training reads).")
+@click.option("--verifier-gb", type=click.FloatRange(0, min_open=True), default=phases.Assumptions.verifier_gb,
+              show_default=True, help="The verifier's checkpoint size, read at each vLLM start (Kimi-K2.5: 554).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 def plan(drafter, drafter_layer, verifier, draft_vocab_size, gpus, nodes, gpu_memory_gib, link, link_gb_s, gpu_tflops, samples,
-         tokens_per_sample, tokens_per_batch, ttt_steps, precision, attn_impl, margin, zero_stage, as_json):
+         tokens_per_sample, tokens_per_batch, ttt_steps, precision, attn_impl, margin, zero_stage, data, epochs,
+         regenerate_tokens_per_s, capture_tokens_per_s, disk_gb_s, verifier_gb, as_json):
     """What finetuning a drafter takes, before anything is launched: GPU memory per ZeRO stage (exact parameter
     counts on the meta device, DeepSpeed's model-state estimators, an activation estimate) and whether each stage
     fits; what each stage sends over the interconnect per step beside the compute, and the stage to use; and
     the disk the prepared shards will take."""
     from draftline.train import plan as planning
 
+    reply_tokens = None
+    if data:
+        samples, tokens_per_sample, reply_tokens = measured_lengths(data, samples)
+    assumed = phases.Assumptions(regenerate_tokens_per_s=regenerate_tokens_per_s,
+                                 capture_tokens_per_s=capture_tokens_per_s, disk_gb_s=disk_gb_s,
+                                 verifier_gb=verifier_gb)
     with _stdout_to_stderr():
         out = planning.make_plan(drafter, gpus=gpus, nodes=nodes, gpu_memory_gib=gpu_memory_gib,
                                  tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps, precision=precision,
                                  attn_impl=attn_impl, margin=margin, zero_stage=zero_stage, layer=drafter_layer,
                                  draft_vocab_size=draft_vocab_size, link=link, link_gb_s=link_gb_s,
                                  gpu_tflops=gpu_tflops, samples=samples, tokens_per_sample=tokens_per_sample,
-                                 verifier=verifier)
+                                 verifier=verifier, epochs=epochs, reply_tokens=reply_tokens, assumptions=assumed)
     click.echo(json.dumps(out, indent=2) if as_json else render_plan(out))
     if zero_stage is not None:
         planning.check(out, zero_stage)
+
+
+def measured_lengths(data: str, samples: int) -> tuple[int, int, int]:
+    """``(samples, tokens a sample, generated tokens a reply)`` measured on a prepared data set: its mean sample
+    length and its replies' median (the whole sample where it was not regenerated); ``samples`` is kept (the run
+    planned is larger than the data set measured)."""
+    from draftline.data.refs import resolve_data
+    from draftline.data.shards import open_prepared
+
+    with _stdout_to_stderr():
+        manifest = open_prepared(resolve_data(data), verify=False).manifest
+    per_sample = max(1, round(manifest["tokens"] / max(manifest["samples"], 1)))
+    regenerated = manifest.get("regenerated") or {}
+    reply = int(regenerated.get("data/reply_tokens_p50") or manifest["masked_tokens"] / max(manifest["samples"], 1))
+    return samples, per_sample, max(1, reply)
 
 
 def render_plan(plan: dict) -> str:
@@ -114,7 +153,8 @@ def render_plan(plan: dict) -> str:
               f"{a['once']:,} + {a['transient']:,}) + {a['quadratic']:,} bytes",
               "", "DeepSpeed's own estimators for the trainable params (per CPU, per GPU, every offload option):",
               *("  " + ln for ln in plan["deepspeed_estimators"].rstrip().splitlines())]
-    return "\n".join(lines + _traffic_lines(plan) + _storage_lines(plan["storage"], plan.get("verifier")))
+    return "\n".join(lines + _traffic_lines(plan) + _storage_lines(plan["storage"], plan.get("verifier"))
+                     + phases.lines(plan["run"]))
 
 
 def _traffic_lines(plan: dict) -> list[str]:

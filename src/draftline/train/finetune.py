@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,6 +273,10 @@ def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, 
     parent = resolve_init(cfg.init, cache=work_dir() / "cache")
     # every check that needs no rank lives in train/preflight.py and runs here, before the run exists
     preflight.check_inputs(cfg, data)
+    if cfg.epochs:
+        per_node, node_count = hostfile_shape(cfg.hostfile) if cfg.hostfile else (ranks, nodes)
+        world = per_node * node_count
+        cfg = cfg.model_copy(update={"steps": steps_for_epochs(cfg, manifest, world, eval_data is not None)})
     files, layout, remap, header = None, "none", "none", None
     if parent.path is not None:  # not a random init
         files = find_checkpoint(parent.path, allow_pickle=cfg.allow_pickle)
@@ -299,6 +304,17 @@ def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, 
                    measured=measured, conf=conf, world_size=gpus * nodes)
 
 
+def steps_for_epochs(cfg: FinetuneConfig, manifest: dict, world_size: int, held_out: bool) -> int:
+    """The optimiser steps of ``cfg.epochs`` passes over the data's training tokens (less the validation share
+    when no evaluation set is given), ``world_size`` ranks packing ``tokens_per_batch`` each."""
+    tokens = manifest["tokens"] * (1.0 if held_out else 1.0 - cfg.val_fraction)
+    per_step = world_size * cfg.tokens_per_batch
+    steps = max(1, math.ceil((cfg.epochs or 1.0) * tokens / per_step))
+    say(f"--epochs {cfg.epochs:g}: {steps:,} steps ({tokens:,.0f} training tokens a pass, {world_size} rank(s) x "
+        f"{cfg.tokens_per_batch:,} tokens a step)")
+    return steps
+
+
 def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
     """The run's params: the parent's lineage, the vocabulary, the verifier, the data and the training settings."""
     cfg, parent, counts, eval_data = inputs.cfg, inputs.parent, inputs.counts, inputs.eval_data
@@ -315,7 +331,8 @@ def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
         "world_size": inputs.world_size,
         "ttt_steps": cfg.ttt_steps,
         **optimizer_params(inputs.conf),
-        "train.steps": cfg.steps, "train.tokens_per_batch": cfg.tokens_per_batch,
+        "train.steps": cfg.steps, "train.epochs": cfg.epochs if cfg.epochs else "none",
+        "train.tokens_per_batch": cfg.tokens_per_batch,
         "train.micro_batch_tokens": micro_batch_tokens(cfg),
         "train.precision": cfg.precision, "train.precision_choice": inputs.chosen.reason,
         "train.lr_schedule": cfg.lr_schedule,

@@ -37,7 +37,7 @@ from draftline.data import storage
 from draftline.drafter.model import meta_drafter
 from draftline.drafter.shape import default_config, load_config
 from draftline.errors import ConfigError, DraftlineError
-from draftline.train import interconnect
+from draftline.train import interconnect, phases
 
 GIB = 1 << 30
 DEFAULT_GPU_MEMORY_GIB = interconnect.DEFAULT_GPU_MEMORY_GIB
@@ -224,7 +224,8 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
               layer: str = "llama", draft_vocab_size: int | None = None, link: str = "pcie",
               link_gb_s: float | None = None, gpu_tflops: float | None = interconnect.DEFAULT_TFLOPS,
               samples: int = DEFAULT_SAMPLES, tokens_per_sample: int = DEFAULT_TOKENS_PER_SAMPLE,
-              verifier: str | Path | None = None) -> dict:
+              verifier: str | Path | None = None, epochs: float = 1.0, reply_tokens: int | None = None,
+              assumptions: phases.Assumptions = phases.Assumptions()) -> dict:
     """The memory plan (JSON-serialisable) for a drafter: ``config`` is ``None`` (the real Kimi drafter of
     ``layer``: AQ-MedAI's Llama-layer Kimi-K2 one, or lightseek's MLA Kimi-K2.5 one, with ``draft_vocab_size``
     if given), a
@@ -277,6 +278,13 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
     best, why = interconnect.pick_stage(stages, moved)
     by_storage = _shards(counts["shape"], verifier, samples, tokens_per_sample)
     shards = by_storage["bf16"]  # the default storage
+    chosen = zero_stage if zero_stage is not None else best
+    link_s = moved["stages"][str(chosen)]["link_s"] if chosen is not None else 0.0
+    step_s = max(moved["compute_s"], link_s) if moved["compute_s"] else None  # DeepSpeed overlaps the two
+    run = phases.phases(samples=samples, tokens_per_sample=tokens_per_sample,
+                        reply_tokens=reply_tokens or tokens_per_sample, epochs=epochs, gpus=gpus, nodes=nodes,
+                        tokens_per_batch=tokens_per_batch, step_s=step_s, bytes_per_token=shards.bytes_per_token,
+                        assumptions=assumptions)
     return {
         "drafter": name, "params": counts["total"], "trainable": counts["trainable"], "frozen": counts["frozen"],
         "checkpoint_params": counts["checkpoint"], "checkpoint_params_with_embeddings":
@@ -290,6 +298,7 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
         "deepspeed_estimators": _deepspeed_reports(counts, gpus, nodes),
         "interconnect": moved, "recommended_stage": best, "recommended_because": why,
         "verifier": None if verifier is None else str(verifier),
+        "run": run,
         "storage": {**shards.as_dict(), "needed_bytes": shards.needed,
                     "offered": list(storage.HIDDEN_BYTES),
                     "bytes_by_storage": {kind: plan.bytes for kind, plan in by_storage.items()}},

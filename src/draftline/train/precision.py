@@ -24,25 +24,37 @@ class Choice:
     reason: str  # one line, logged as the train.precision_choice param
 
 
-def _matmul_s(dtype: torch.dtype, hidden: int, intermediate: int, tokens: int = 512, repeats: int = 5) -> float:
+def _matmul_s(dtype: torch.dtype, hidden: int, intermediate: int, tokens: int = 512, repeats: int = 5,
+              give_up_s: float = float("inf")) -> float:
+    """The best of ``repeats`` timings of one drafter-shaped matmul; stops early once one call takes longer than
+    ``give_up_s`` (a dtype already known to lose needs no more timings)."""
     a = torch.randn(tokens, hidden, dtype=dtype)
     b = torch.randn(hidden, intermediate, dtype=dtype)
+    t = time.perf_counter()
     a @ b  # the first call picks and warms the kernel
+    if time.perf_counter() - t > 3 * give_up_s:
+        return time.perf_counter() - t
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t)
+        if best > give_up_s:
+            break
     return best
 
 
 def measure(hidden: int, intermediate: int) -> float:
-    """fp32 time over bf16 time for one drafter-shaped matmul on one CPU thread (> 1: bf16 is faster)."""
+    """fp32 time over bf16 time for one drafter-shaped matmul on one CPU thread (> 1: bf16 is faster). On a CPU
+    without bf16 units (0.02x) the bf16 timing stops as soon as it is clearly slower, so the measurement stays a
+    fraction of a second there too."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         fp32 = min(_matmul_s(torch.float32, hidden, intermediate) for _ in range(2))
-        bf16 = min(_matmul_s(torch.bfloat16, hidden, intermediate) for _ in range(2))
+        slower = 2 * fp32  # bf16 at half fp32's speed or worse is no candidate: one timing tells
+        first = _matmul_s(torch.bfloat16, hidden, intermediate, give_up_s=slower)
+        bf16 = first if first > slower else min(first, _matmul_s(torch.bfloat16, hidden, intermediate))
     finally:
         torch.set_num_threads(threads)
     return fp32 / bf16
