@@ -116,7 +116,8 @@ class ReplyStats:
 
     def metrics(self) -> dict[str, float]:
         n = max(self.replies, 1)
-        return {"data/replies": self.replies, "data/truncated_replies": self.truncated,
+        return {"data/replies": self.replies, "data/reply_tokens": self.tokens,
+                "data/truncated_replies": self.truncated,
                 "data/truncated_share": self.truncated / n, "data/reasoning_replies": self.with_reasoning,
                 "data/reasoning_share": self.reasoning_tokens / max(self.tokens, 1),
                 "data/reply_tokens_p50": self.percentile(0.5), "data/reply_tokens_p90": self.percentile(0.9),
