@@ -43,6 +43,8 @@ echo "==> speculators (no torchvision/torchaudio)"
 # 4. draftline itself, editable.
 echo "==> draftline"
 "${PIP[@]}" install -q --progress-bar off --no-deps -e .
+# the repository's commit-msg hook (a subject under 72 characters, the why in the body), in a git checkout
+if git rev-parse --git-dir >/dev/null 2>&1; then git config core.hooksPath .githooks; fi
 
 # 5. (--real) the GGUF loader's packages, and the model's package without its unused llm/llama-cpp-python.
 if [ "$REAL" = 1 ]; then

@@ -56,6 +56,11 @@ def _no_mlflow_state_from_other_tests(monkeypatch):
         mlflow.end_run()
 
 
+# vLLM servers, draftline's commands and DeepSpeed's ranks and launchers; a session fixture's mlflow server or
+# PostgreSQL, started on first use inside a test, is the session's and is left alone
+_TEST_PROCESSES = ("vllm", "draftline", "deepspeed", "torch.distributed", "torchrun")
+
+
 @pytest.fixture(autouse=True)
 def _nothing_left_running():
     """No test leaves a process of its own running (a vLLM server, a rank, a launcher): whatever a test started
@@ -64,10 +69,15 @@ def _nothing_left_running():
     were started before this check's snapshot and are left alone."""
     import psutil
 
+    def ours(p: psutil.Process) -> bool:  # what a test starts and must end (not a session's servers)
+        with contextlib.suppress(psutil.Error):
+            return any(w in " ".join(p.cmdline()) for w in _TEST_PROCESSES)
+        return False
+
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     yield
-    left = [p for p in me.children(recursive=True) if p.pid not in before]
+    left = [p for p in me.children(recursive=True) if p.pid not in before and ours(p)]
     _, alive = psutil.wait_procs(left, timeout=10)  # a process ending on its own is given a moment
     named = []
     for p in alive:
