@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
+from mlflow.exceptions import MlflowException
 
 from draftline import tracking
+from draftline.registry.mlflow_errors import absent, raise_failure
 
 PER_PROMPT_FILE = "per_prompt.jsonl"
 DEFAULT_RESAMPLES = 2000
@@ -134,14 +136,17 @@ def carry_per_prompt(evaluation_run_id: str, digest: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             path = tracking.client().download_artifacts(evaluation_run_id, PER_PROMPT_FILE, tmp)
-        except Exception:  # noqa: BLE001 (an evaluation from before per-prompt evidence)
-            return
+        except MlflowException as e:
+            if not absent(e):
+                raise_failure(e, f"read {PER_PROMPT_FILE} of evaluation run {evaluation_run_id}",
+                              f"READ permission on the experiment of run {evaluation_run_id}")
+            return  # an evaluation from before per-prompt evidence
         mlflow.log_artifact(path, artifact_path=str(Path(carried_path(digest)).parent))
 
 
 def read_per_prompt(client, run_id: str, digest: str | None = None) -> list[dict] | None:
     """The per-prompt evidence of run ``run_id`` (an evaluation, or an export carrying one for ``digest``);
-    None when there is none (an older evaluation)."""
+    None when there is none (an older evaluation); a run this user may not read is said, not taken for none."""
     for name in (PER_PROMPT_FILE, carried_path(digest) if digest else None):
         if name is None:
             continue
@@ -149,6 +154,8 @@ def read_per_prompt(client, run_id: str, digest: str | None = None) -> list[dict
             with tempfile.TemporaryDirectory() as tmp:
                 path = client.download_artifacts(run_id, name, tmp)
                 return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        except Exception:  # noqa: BLE001 (no such artifact)
-            continue
+        except MlflowException as e:
+            if not absent(e):
+                raise_failure(e, f"read {name} of run {run_id}", f"READ permission on the experiment of run {run_id}")
+            continue  # no such artifact
     return None

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlflow.exceptions import MlflowException
+
 from draftline.errors import RegistryError
 from draftline.registry.confidence import read_per_prompt
+from draftline.registry.mlflow_errors import absent, raise_failure
 from draftline.registry.versions import model_id_of, resolve_version
 
 MEASURED = "eval/measured/acceptance_length"
@@ -67,12 +70,16 @@ class Evidence:
 
 
 def evaluations_of(client, model_id: str | None) -> list[Evaluation]:
-    """Every evaluation set ``model_id`` was evaluated on; the newest value of each metric."""
+    """Every evaluation set ``model_id`` was evaluated on; the newest value of each metric. Nothing for a LoggedModel
+    that is not there; one this user may not read is said, not taken for none."""
     if not model_id:
         return []
     try:
         model = client.get_logged_model(model_id)
-    except Exception:  # noqa: BLE001
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"read the evaluations of LoggedModel {model_id}",
+                          f"READ permission on the experiment of LoggedModel {model_id}")
         return []
     by_set: dict[tuple[str, str], tuple[Evaluation, dict[str, int]]] = {}
     for m in model.metrics or []:
@@ -103,23 +110,30 @@ def on_digest(evaluations: list[Evaluation], digest: str) -> Evaluation | None:
 
 
 def _parent_evaluations(client, mv) -> tuple[list[Evaluation] | None, str]:
-    """The parent's evaluations (``None`` for a random init) and the ``--target`` that evaluates it."""
+    """The parent's evaluations (``None`` for a random init) and the ``--target`` that evaluates it: none where
+    the parent's version or the finetune run is not there (a refusal or any other failure is said)."""
     source = mv.tags.get("parent.source", "none")
     if source in ("", "none"):
         return None, ""
     if source.startswith("models:/"):
-        try:
-            return evaluations_of(client, model_id_of(resolve_version(client, source)[1])), source
-        except Exception:  # noqa: BLE001
+        try:  # RegistryError: no such version, stage or URI (a refusal or another failure: TrackingError)
+            parent = resolve_version(client, source)[1]
+        except RegistryError:
             return [], source
+        return evaluations_of(client, model_id_of(parent)), source
     target = mv.tags.get("init") or source
     sha = mv.tags.get("parent.sha256", "")
+    if not mv.run_id:
+        return [], target
     try:
         experiment = client.get_run(mv.run_id).info.experiment_id
-        found = client.search_logged_models([experiment], max_results=1,
-                                            filter_string=f"tags.`draftline.parent.sha256` = '{sha}'").to_list()
-    except Exception:  # noqa: BLE001
-        found = []
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"read finetune run {mv.run_id} of models:/{mv.name}/{mv.version}",
+                          f"READ permission on the experiment of run {mv.run_id}")
+        return [], target
+    found = client.search_logged_models([experiment], max_results=1,
+                                        filter_string=f"tags.`draftline.parent.sha256` = '{sha}'").to_list()
     return (evaluations_of(client, found[0].model_id) if found else []), target
 
 

@@ -13,12 +13,14 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlflow.exceptions import MlflowException
+
 from draftline.console import say
 from draftline.errors import DraftlineError, RegistryError
 from draftline.registry.evidence import evidence_for
-from draftline.registry.mlflow_errors import denied, mlflow_error
+from draftline.registry.mlflow_errors import absent, denied, mlflow_error, raise_failure, unavailable
 from draftline.registry.policies import evaluate, load_policy, policy_path
-from draftline.registry.retry import retrying, unavailable
+from draftline.registry.retry import retrying
 from draftline.registry.stages import ALIASES, holders, move_stage, now, promotion_lock, stage_splits, sync_stages
 from draftline.registry.versions import resolve_version
 
@@ -26,9 +28,9 @@ from draftline.registry.versions import resolve_version
 def _get_version(client, name: str, version: str):
     try:
         return client.get_model_version(name, str(version))
-    except Exception as e:  # noqa: BLE001
-        if unavailable(e):
-            raise
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"read models:/{name}/{version}", f"READ permission on registered model {name}")
         raise RegistryError(f"models:/{name}/{version} does not exist: {mlflow_error(e)}") from None
 
 
@@ -39,7 +41,7 @@ def _guarded(what: str, name: str, fn):
         return retrying(what, fn)
     except DraftlineError:
         raise
-    except Exception as e:  # noqa: BLE001
+    except MlflowException as e:
         if unavailable(e):  # cannot happen (retrying turns it into ServerUnavailable); kept for clarity
             raise
         if denied(e):

@@ -1,4 +1,5 @@
-"""Riding out a tracking server that restarts: which failures are worth another try, and the loop that tries.
+"""Riding out a tracking server that restarts: the loop that tries again while the server is unavailable
+(:func:`~draftline.registry.mlflow_errors.unavailable` says which failures those are).
 
 MLflow's HTTP client already retries each request a few times (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, with
 back-off), which covers a blip, not a server restart (tens of seconds here), and never a download cut off in
@@ -16,37 +17,11 @@ import random
 import time
 
 from draftline import environment
-from draftline.errors import DraftlineError, ServerUnavailable
+from draftline.errors import ServerUnavailable
+from draftline.registry.mlflow_errors import unavailable
 
 log = logging.getLogger(__name__)
 RETRY_ENV = environment.RETRY_S.name
-# what MLflow's and requests' messages say when the server went away (MLflow wraps most of them as text)
-_SIGNS = ("max retries exceeded", "connection refused", "connection aborted", "connection reset",
-          "remotedisconnected", "remote end closed", "connection broken", "incompleteread", "response ended prematurely",
-          "chunkedencodingerror", "read timed out", "server disconnected", "bad gateway", "service unavailable",
-          "gateway timeout", "status code 502", "status code 503", "status code 504", "too many 502",
-          "too many 503", "too many 504", "temporarily unavailable")
-
-
-def unavailable(exc: BaseException | None) -> bool:
-    """True when ``exc`` (or an exception behind it) says the server could not be reached or hung up."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, ServerUnavailable):
-            return True
-        if isinstance(exc, DraftlineError):
-            return False
-        if isinstance(exc, ConnectionError | TimeoutError):
-            return True
-        name = type(exc).__name__
-        if name in ("ChunkedEncodingError", "ProtocolError", "ConnectTimeout", "ReadTimeout", "IncompleteRead",
-                    "RemoteDisconnected", "NewConnectionError", "MaxRetryError"):
-            return True
-        if any(sign in str(exc)[:4000].lower() for sign in _SIGNS):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def budget_s() -> float:
@@ -70,7 +45,7 @@ def retrying(what: str, fn, *, budget: float | None = None):
         tries += 1
         try:
             return fn()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001  (every failure is judged: only the server's absence is retried)
             if not unavailable(e):
                 raise
             if time.monotonic() + delay > deadline:

@@ -25,11 +25,20 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from mlflow.exceptions import MlflowException
+
 from draftline import environment
 from draftline.console import say
 from draftline.errors import RegistryError
-from draftline.registry.mlflow_errors import mlflow_error, registry_uri, unknown_model_hint
-from draftline.registry.retry import unavailable
+from draftline.registry.mlflow_errors import (
+    absent,
+    alias_unset,
+    error_code,
+    mlflow_error,
+    raise_failure,
+    registry_uri,
+    unknown_model_hint,
+)
 
 log = logging.getLogger(__name__)
 STAGES = ("Staging", "Production", "Archived", "None")
@@ -89,14 +98,19 @@ def stage_split(name: str, stage: str, alias: str | None, held: str | None) -> S
 
 def promotion_in_progress(client, name: str) -> bool:
     """A draftline promotion of ``name`` holds its lock: it writes the alias, then the stage, so the two differ
-    for a moment; that is a change in flight (the alias is already the truth), not a disagreement."""
+    for a moment; that is a change in flight (the alias is already the truth), not a disagreement. Only an
+    absent lock says there is none: a lock this user may not read is said, not taken for no promotion."""
+    return _lock_tags(client, name + LOCK_SUFFIX) is not None
+
+
+def _lock_tags(client, lock: str) -> dict | None:
+    """The tags of the promotion lock ``lock``; None when there is none (its holder let go)."""
     try:
-        client.get_registered_model(name + LOCK_SUFFIX)
-        return True
-    except Exception as e:  # noqa: BLE001
-        if unavailable(e):
-            raise
-        return False
+        return client.get_registered_model(lock).tags
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"read the promotion lock {lock}", f"READ permission on registered model {lock}")
+        return None
 
 
 def resolve_stage(client, name: str, stage: str, *, refuse: bool = False):
@@ -109,9 +123,9 @@ def resolve_stage(client, name: str, stage: str, *, refuse: bool = False):
         # what MLflow resolves the stage to; its registry client's call, one request: MlflowClient's own first
         # asks whether NAME is a prompt (a second request per pull, paid by every pod of a fleet)
         latest = client._get_registry_client().get_latest_versions(name, [stage])  # noqa: SLF001
-    except Exception as e:  # noqa: BLE001
-        if unavailable(e):
-            raise
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"resolve {uri}", f"READ permission on registered model {name}")
         raise RegistryError(f"{uri} does not resolve on {registry_uri()}: {mlflow_error(e)}"
                             + unknown_model_hint(client, name)) from None
     held = latest[0] if latest else None
@@ -120,10 +134,10 @@ def resolve_stage(client, name: str, stage: str, *, refuse: bool = False):
     if alias is not None and (held is None or alias not in (held.aliases or [])):
         try:
             named = client.get_model_version_by_alias(name, alias)
-        except Exception as e:  # noqa: BLE001  (no such alias: a registry from before the aliases)
-            if unavailable(e):
-                raise
-            named = held
+        except MlflowException as e:
+            if not alias_unset(e):
+                raise_failure(e, f"read @{alias} of {name}", f"READ permission on registered model {name}")
+            named = held  # no such alias: a registry from before the aliases
         split = stage_split(name, stage, named and str(named.version), held and str(held.version))
         if split and not promotion_in_progress(client, name):
             if refuse:
@@ -150,9 +164,9 @@ def holders(client, name: str) -> dict[str, str | None]:
     """``{stage: version}`` as the aliases say (the truth)."""
     try:
         aliases = client.get_registered_model(name).aliases or {}
-    except Exception as e:  # noqa: BLE001
-        if unavailable(e):
-            raise
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"read the aliases of {name}", f"READ permission on registered model {name}")
         raise RegistryError(f"registered model {name} does not exist: {mlflow_error(e)}") from None
     return {stage: (str(aliases[alias]) if alias in aliases else None) for stage, alias in ALIASES.items()}
 
@@ -240,22 +254,15 @@ def promotion_lock(client, name: str, timeout_s: float | None = None, token: str
             client.create_registered_model(lock, tags={"owner": _owner(), "since": now(), "token": token},
                                            description=f"draftline: a promotion of {name} is in progress")
             break
-        except Exception as e:  # noqa: BLE001
-            if getattr(e, "error_code", "") not in LOCK_HELD:
+        except MlflowException as e:
+            if error_code(e) not in LOCK_HELD:
                 raise
-            with contextlib.suppress(Exception):
-                held = client.get_registered_model(lock).tags
-                if held.get("token") == token:
-                    break
-                if _stale(held):
-                    # read again just before deleting: another promoter may have taken the stale lock over
-                    # in between, and its fresh lock must not go (MLflow has no conditional delete; this
-                    # narrows the window to one request)
-                    if client.get_registered_model(lock).tags.get("token") == held.get("token"):
-                        log.warning("taking over a stale promotion lock of %s (held by %s since %s)", name,
-                                    held.get("owner"), held.get("since"))
-                        client.delete_registered_model(lock)
-                    continue
+            held = _lock_tags(client, lock)  # None: let go in between, free for the next try
+            if held is not None and held.get("token") == token:
+                break
+            if held is not None and _stale(held):
+                _take_over(client, name, lock, held)
+                continue
             if time.monotonic() > deadline:
                 raise RegistryError(f"another promotion of {name} has held {lock} for {timeout_s:.0f} s; wait "
                                     f"for it to end, then promote again (or wait longer: {WAIT_ENV})") from None
@@ -266,9 +273,26 @@ def promotion_lock(client, name: str, timeout_s: float | None = None, token: str
     finally:
         try:
             client.delete_registered_model(lock)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001  (any failure to let go is only said: the change's own outcome stands)
             log.warning("could not delete the promotion lock %s (%s); the next promotion takes it over once "
                         "stale", lock, mlflow_error(e))
+
+
+def _take_over(client, name: str, lock: str, held: dict) -> None:
+    """Delete the stale lock ``held`` read, unless another promoter took it over meanwhile: it is read again just
+    before deleting, as its fresh lock must not go (MLflow has no conditional delete; this narrows the window to
+    one request). A lock gone meanwhile is fine: the next try creates it."""
+    again = _lock_tags(client, lock)
+    if again is None or again.get("token") != held.get("token"):
+        return
+    log.warning("taking over a stale promotion lock of %s (held by %s since %s)", name, held.get("owner"),
+                held.get("since"))
+    try:
+        client.delete_registered_model(lock)
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"take over the stale promotion lock {lock}",
+                          f"MANAGE permission on registered model {lock}")
 
 
 def move_stage(client, name: str, version: str, stage: str, tags: dict[str, str], *,

@@ -3,11 +3,13 @@ metrics, parents) and ``draftline compare`` (versions side by side, their parent
 
 from __future__ import annotations
 
+from mlflow.exceptions import MlflowException
+
 from draftline.console import say
 from draftline.errors import RegistryError
 from draftline.registry.evidence import HIGH_LOW, MEASURED, PROMPTS, evaluations_of, on_set
 from draftline.registry.lineage import HEADLINE_METRICS, VERSION_TAG_PARAMS
-from draftline.registry.mlflow_errors import mlflow_error, registry_uri, unknown_model_hint
+from draftline.registry.mlflow_errors import absent, mlflow_error, raise_failure, registry_uri, unknown_model_hint
 from draftline.registry.policies import policy_set
 from draftline.registry.stages import LOCK_SUFFIX, stage_splits
 from draftline.registry.versions import model_id_of, resolve_version
@@ -56,7 +58,9 @@ def measured_on_policy_set(client, mv) -> str | None:
 def list_versions(client, name: str) -> list[dict]:
     try:
         model = client.get_registered_model(name)
-    except Exception as e:  # noqa: BLE001
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"list the versions of {name}", f"READ permission on registered model {name}")
         hint = unknown_model_hint(client, name) or "; `draftline list` shows the models there are"
         raise RegistryError(f"registered model {name} does not exist on {registry_uri()}: {mlflow_error(e)}"
                             + hint) from None
