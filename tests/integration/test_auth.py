@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from draftline.cli import cli
+from draftline.drafter.aux_ids import served_aux_fields
 
 from ..conftest import ADMIN
 from ..unit.test_registry import TAGS
@@ -34,7 +35,8 @@ def test_read_user_pulls_but_cannot_promote(workspace, server, request, monkeypa
 
     export = tmp_path / "drafter"
     export.mkdir()
-    (export / "config.json").write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": "/v"}}}))
+    (export / "config.json").write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": "/v"}},
+                                                    **served_aux_fields([2, 4, 5])}))  # ids both runners read
     (export / "model.safetensors").write_bytes(b"\0" * 64)
     manifest = sha256_manifest(export)
     (export / CHECKSUMS).write_text(json.dumps(manifest))

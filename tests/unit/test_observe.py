@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from mlflow import MlflowClient
 
 from draftline.cli import cli
+from draftline.drafter.aux_ids import served_aux_fields
 from draftline.evaluation.observe import window
 from draftline.registry.versions import model_id_of
 from draftline.util import manifest_digest
@@ -91,6 +92,8 @@ def _pulled(tmp_path, client, measured):
     pulled = tmp_path / "pulled"
     pulled.mkdir()
     (pulled / "checksums.json").write_text(json.dumps(files))
+    (pulled / "config.json").write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                                                    **served_aux_fields([1, 29, 57])}))
     return mv, pulled
 
 
@@ -159,7 +162,7 @@ def test_as_a_sidecar_each_window_is_recorded_and_a_quiet_one_is_said_and_skippe
     assert len(observed) == before + 1  # one run for every window
 
 
-@pytest.mark.parametrize("problem", ["no traffic", "no drafter", "unknown version", "no server"])
+@pytest.mark.parametrize("problem", ["no traffic", "no drafter", "unknown version", "no server", "nested-only ids"])
 def test_bad_input_is_one_line_and_records_nothing(problem, server, tmp_path, store):
     counters, endpoint = server
     client = MlflowClient()
@@ -171,11 +174,14 @@ def test_bad_input_is_one_line_and_records_nothing(problem, server, tmp_path, st
         (pulled / "checksums.json").write_text(json.dumps({"config.json": "c" * 64}))
     if problem == "no server":
         endpoint = "http://127.0.0.1:9/v1"
+    if problem == "nested-only ids":  # as exports wrote an MLA drafter before: a GPU server ignores them
+        (pulled / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1]}}))
     r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "1"])
     assert r.exit_code not in (0, None) and "Traceback" not in r.output
     assert len([x for x in r.output.strip().splitlines() if x.startswith("error")]) == 1, r.output
     words = {"no traffic": "no traffic in the window", "no drafter": "exposes no vllm:spec_decode",
-             "unknown version": "is no registered version", "no server": "unreachable"}[problem]
+             "unknown version": "is no registered version", "no server": "unreachable",
+             "nested-only ids": "config.json: vLLM's runners read different aux layers"}[problem]
     assert words in r.output, r.output
     assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == runs_before
     assert "served.verdict" not in client.get_logged_model(model_id_of(mv)).tags

@@ -19,6 +19,7 @@ from speculators.proposals.greedy import GreedyTokenProposalConfig
 from transformers import AutoConfig, LlamaConfig
 
 from draftline.drafter import mla
+from draftline.drafter.aux_ids import served_aux_fields
 from draftline.errors import ConfigError, DataError, ParentMismatch
 from draftline.serving import hf_model
 
@@ -306,7 +307,8 @@ def served_mla_config(layer, *, draft_vocab_size: int, aux_layer_ids: list[int],
                       norm_before_residual: bool = False) -> dict:
     """The ``config.json`` vLLM loads as ``Eagle3DeepseekV2ForCausalLM`` (lightseekorg/kimi-k2.5-eagle3-mla's form),
     every field from the drafter's own MLA layer config ``layer``: ``model_type`` ``kimi_k2`` (vLLM rewrites
-    ``deepseek_v3`` into an MTP model), the aux layers under ``eagle_config``, no quantization."""
+    ``deepseek_v3`` into an MTP model), the aux layers wherever either of vLLM's runners reads them
+    (:func:`~draftline.drafter.aux_ids.served_aux_fields`), no quantization."""
     rope = dict(getattr(layer, "rope_parameters", None) or {})
     out: dict[str, Any] = {
         "architectures": [mla.VLLM_ARCHITECTURE],
@@ -322,7 +324,7 @@ def served_mla_config(layer, *, draft_vocab_size: int, aux_layer_ids: list[int],
         "draft_vocab_size": draft_vocab_size,
         "target_hidden_size": layer.hidden_size,
         "norm_before_residual": norm_before_residual,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
+        **served_aux_fields(aux_layer_ids),
     }
     if rope.get("rope_type") not in (None, "default"):
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}

@@ -8,7 +8,8 @@ then counts from its restart (its second read alone), and the window says it saw
 one served name are read one by one and summed. The served acceptance length is vLLM's ``1 + accepted / drafts``.
 
 The version is found from the directory the server loads (the pulled drafter: the digest of its
-``checksums.json`` is the version's ``export.sha256``), or named (``models:/NAME/VERSION``). Each window is a step
+``checksums.json`` is the version's ``export.sha256``; a directory whose aux layers vLLM's two runners would read
+differently is refused), or named (``models:/NAME/VERSION``). Each window is a step
 of one ``observe`` run, logged on the version's LoggedModel as ``served/*``, and compared with the version's
 measured evaluation on the Production policy's set: inside or above its interval is "as evaluated"; below its
 lower bound, "below" (the command then exits 1, for an alert). Traffic is not the evaluation set, so this says
@@ -26,6 +27,7 @@ import mlflow
 
 from draftline import tracking
 from draftline.data.regenerate import served_models
+from draftline.drafter.aux_ids import require_served_ids
 from draftline.errors import DataError, RegistryError
 from draftline.registry.evidence import MEASURED, MEASURED_HIGH, MEASURED_LOW, evaluations_of
 from draftline.registry.policies import policy_set
@@ -101,6 +103,7 @@ def identify(client, *, drafter_dir: str | None, version: str | None):
     except (OSError, ValueError) as e:
         raise RegistryError(f"{path} is unreadable ({type(e).__name__}): pass the directory `draftline pull` "
                             "wrote, or --version models:/NAME/VERSION") from None
+    require_served_ids(drafter_dir)  # a GPU server would capture other layers than the version was measured on
     found = client.search_model_versions(f"tags.`export.sha256` = '{digest}'")
     if len(found) != 1:
         raise RegistryError(f"{drafter_dir} is {'no' if not found else 'more than one'} registered version (export "

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from draftline.config import ExportConfig
+from draftline.drafter.aux_ids import served_ids_problem
 from draftline.drafter.served import save_served, short_form
 from draftline.errors import CheckpointError, DataError
 from draftline.registry.confidence import Interval
@@ -109,12 +110,12 @@ def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float],
     """Write the directory vLLM serves (``checksums.json`` comes with the upload)."""
     save_served(model, out, lineage["verifier.name_or_path"])
     cfg = json.loads((out / "config.json").read_text())
-    aux = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
-    for key, value in (("eagle_aux_hidden_state_layer_ids", aux), ("draft_vocab_size", cfg.get("draft_vocab_size")),
-                       ("target_hidden_size", cfg.get("target_hidden_size"))):
-        if value is None:
+    for key in ("draft_vocab_size", "target_hidden_size"):
+        if cfg.get(key) is None:
             raise CheckpointError(f"the exported config.json lacks {key}; vLLM would fall back to defaults")
+    problem = served_ids_problem(cfg)
+    if problem:
+        raise CheckpointError(f"the exported config.json: {problem}")
     if short_form(cfg) and not (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path"):
         raise CheckpointError("the exported config.json names no verifier")
     if "quantization_config" in cfg or "quantization_config" in (cfg.get("transformer_layer_config") or {}):

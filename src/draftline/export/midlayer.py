@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
+from draftline.drafter.aux_ids import served_aux_fields
 from draftline.drafter.checkpoints import (
     _iter_tensors,
     detect_layout,
@@ -69,6 +70,8 @@ def write_midlayer(model, out: Path, params: dict[str, str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = to_midlayer_layout({k: v.detach().contiguous() for k, v in model.state_dict().items()})
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    aux = json.loads(params["verifier.aux_layers"])
     cfg = specforge_config(model.config.transformer_layer_config, draft_vocab_size=model.draft_vocab_size,
-                           aux_layer_ids=json.loads(params["verifier.aux_layers"]))
+                           aux_layer_ids=aux)
+    cfg.update(served_aux_fields(aux))  # SpecForge's form, with the ids also where vLLM's V2 runner reads them
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

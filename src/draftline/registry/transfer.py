@@ -21,17 +21,20 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 import mlflow
+from mlflow.exceptions import MlflowException
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from tqdm.auto import tqdm
 
 from draftline.console import bar_kwargs
 from draftline.errors import DraftlineError, VerificationError
 from draftline.registry.blobcache import BlobCache, clone_or_copy, scratch_prefix, sweep_scratch
-from draftline.registry.retry import retrying, unavailable
+from draftline.registry.mlflow_errors import absent, raise_failure, unavailable
+from draftline.registry.retry import retrying
 from draftline.util import atomic_write_text, file_sha256, manifest_digest
 
 CHECKSUMS = "checksums.json"
@@ -142,13 +145,15 @@ def _safe_names(manifest: dict[str, str], root: Path) -> None:
 
 
 def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progress: bool = True,
-                    expected_digest: str | None = None, manifest: dict | None = None) -> dict:
+                    expected_digest: str | None = None, manifest: dict | None = None,
+                    check: Callable[[Path], None] | None = None) -> dict:
     """Assemble the export at ``base_uri`` into ``dest``, every file verified; returns what was transferred.
 
     With ``expected_digest`` (the version's ``export.sha256`` tag, set by the registry at export time),
     ``checksums.json`` itself must match it, so rewriting a file and its checksum in the store is caught too.
     ``manifest`` (the version's ``export.checksums`` tag) saves reading ``checksums.json`` from the store; it
-    must match ``expected_digest`` just the same, and is what DEST's ``checksums.json`` holds.
+    must match ``expected_digest`` just the same, and is what DEST's ``checksums.json`` holds. ``check``: called
+    with the verified directory before it goes into place (``pull`` refuses one vLLM would serve wrongly there).
     ``dest`` is replaced only once everything is in place; on any failure it is left as it was.
     """
 
@@ -197,6 +202,8 @@ def fetch_directory(base_uri: str, dest: Path, *, cache: BlobCache | None, progr
                                  todo):
                 stats["downloaded_bytes"] += size
         stats["files"] = len(manifest)
+        if check is not None:
+            check(staging)
         _install(staging, dest)
     return stats
 
@@ -206,14 +213,16 @@ def _read_manifest(base_uri: str, staging: Path) -> dict:
         listed = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"{base_uri}/{CHECKSUMS}",
                                                           dst_path=str(staging)))
         return json.loads(listed.read_text())
-    except Exception as e:  # noqa: BLE001  (MlflowException: the file is not there)
-        if unavailable(e):
-            raise
-        if isinstance(e, OSError | ValueError):
-            raise VerificationError(f"{base_uri} has no readable {CHECKSUMS} ({e}): not a draftline export, "
-                                    "refusing it") from None
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"download {CHECKSUMS} of {base_uri}", f"READ permission on the artifacts of {base_uri}")
         raise VerificationError(f"{base_uri} has no {CHECKSUMS}: not a draftline export, refusing it "
                                 f"({str(e).splitlines()[0]})") from None
+    except (OSError, ValueError) as e:  # requests' errors are OSErrors too: a server gone away is retried
+        if unavailable(e):
+            raise
+        raise VerificationError(f"{base_uri} has no readable {CHECKSUMS} ({e}): not a draftline export, "
+                                "refusing it") from None
 
 
 def _fetch_one(repo, base_uri: str, name: str, digest: str, staging: Path, cache: BlobCache | None,

@@ -15,14 +15,26 @@ import logging
 import re
 import shlex
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
 
 from draftline.errors import RegistryError, VerificationError
 from draftline.registry.blobcache import BlobCache
-from draftline.registry.mlflow_errors import mlflow_error, registry_uri, unknown_model_hint
-from draftline.registry.retry import retrying, unavailable
+from draftline.registry.mlflow_errors import (
+    absent,
+    alias_unset,
+    denied,
+    exists,
+    mlflow_error,
+    raise_failure,
+    refusal,
+    registry_uri,
+    unknown_model_hint,
+)
+from draftline.registry.retry import retrying
 from draftline.registry.stages import STAGES, resolve_stage
 from draftline.registry.transfer import fetch_directory
 
@@ -48,9 +60,9 @@ def resolve_version(client, uri: str, *, refuse_split: bool = False):
     try:
         return name, (client.get_model_version_by_alias(name, alias) if alias else
                       client.get_model_version(name, ref))
-    except Exception as e:  # noqa: BLE001
-        if unavailable(e):
-            raise
+    except MlflowException as e:
+        if not (alias_unset(e) if alias else absent(e)):
+            raise_failure(e, f"resolve {uri}", f"READ permission on registered model {name}")
         raise RegistryError(f"{uri} does not resolve on {registry_uri()}: {mlflow_error(e)}"
                             + unknown_model_hint(client, name)) from None
 
@@ -76,21 +88,20 @@ def describe(lineage: dict) -> str:
 def register(client, name: str, *, model_id: str, run_id: str, tags: dict[str, str], description: str,
              timeout_s: float = 300):
     """Create version K of ``name`` from the LoggedModel ``model_id`` (creating the registered model if
-    needed), with every tag at once."""
+    needed: only when MLflow says it is absent), with every tag at once."""
     try:
         client.get_registered_model(name)
-    except Exception:  # noqa: BLE001
-        try:
-            client.create_registered_model(name, description="EAGLE-3 drafters registered by draftline")
-        except Exception as e:  # noqa: BLE001  (a concurrent creator may have won: fine if it exists now)
-            try:
-                client.get_registered_model(name)
-            except Exception:  # noqa: BLE001
-                raise RegistryError(f"cannot create registered model {name}: {mlflow_error(e)}") from None
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"register a version of {name}", f"READ permission on registered model {name}")
+        _create_registered_model(client, name)
     try:
         version = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id,
                                               tags={k: str(v) for k, v in tags.items()}, description=description)
-    except Exception as e:  # noqa: BLE001
+    except MlflowException as e:  # not retried (a version whose reply was lost would be made twice): said at once
+        if denied(e):
+            raise refusal(e, f"register a version of {name}", f"EDIT permission on registered model {name}") \
+                from None
         raise RegistryError(f"cannot register a version of {name}: {mlflow_error(e)}") from None
     deadline = time.monotonic() + timeout_s
     while version.status == "PENDING_REGISTRATION" and time.monotonic() < deadline:
@@ -101,6 +112,15 @@ def register(client, name: str, *, model_id: str, run_id: str, tags: dict[str, s
         raise RegistryError(f"version {version.version} of {name} did not become READY ({version.status}); "
                             "it was removed")
     return version
+
+
+def _create_registered_model(client, name: str) -> None:
+    """Create the registered model ``name``; a concurrent creator that won is fine."""
+    try:
+        client.create_registered_model(name, description="EAGLE-3 drafters registered by draftline")
+    except MlflowException as e:
+        if not exists(e):
+            raise_failure(e, f"create registered model {name}", "permission to create registered models")
 
 
 def vllm_command(directory: Path, verifier: str, num_speculative_tokens: int = 3, *,
@@ -124,11 +144,14 @@ def exported_k(config: dict, tags: dict) -> int:
 
 
 def pull(client, name: str, *, stage: str | None, alias: str | None, version: str | None, dest: Path,
-         verifier: str | None = None, use_cache: bool | None = None) -> dict:
+         verifier: str | None = None, use_cache: bool | None = None,
+         check: Callable[[Path], None] | None = None) -> dict:
     """Download a version into ``dest``, every file verified against its sha256 while it arrives; returns
     ``{"version", "path", "command", "speculative_config", "downloaded_bytes", "cached_bytes"}``. Files the
     local content-addressed cache holds are cloned or copied from it; ``use_cache`` None keeps what the pull
     downloads in the cache where that pays (:meth:`BlobCache.fills`), True always, False skips the cache.
+    ``check`` refuses the verified directory before it replaces ``dest`` (the CLI passes
+    :func:`draftline.drafter.aux_ids.require_served_ids`, which this layer may not import).
 
     A pull asks the tracking server for as little as it can (a fleet restarting together pays per request):
     the version (a stage: the newest version in it, which carries its alias when the two agree), the
@@ -152,7 +175,7 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     stats = fetch_directory(source, local,
                             cache=None if use_cache is False else BlobCache(fill=use_cache),
                             expected_digest=mv.tags.get("export.sha256"),
-                            manifest=_tagged_manifest(mv.tags.get(CHECKSUMS_TAG)))
+                            manifest=_tagged_manifest(mv.tags.get(CHECKSUMS_TAG)), check=check)
     config = json.loads((local / "config.json").read_text())
     # speculators' format names its verifier; an MLA drafter's flat config names none: the version's lineage does
     served = (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or want

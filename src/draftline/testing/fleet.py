@@ -22,6 +22,7 @@ from pathlib import Path
 import mlflow
 
 from draftline.config import CACHE_ENV
+from draftline.drafter.aux_ids import served_aux_fields
 from draftline.registry.promotion import promote, rollback
 from draftline.registry.stages import holders
 from draftline.registry.transfer import CHECKSUMS
@@ -48,7 +49,7 @@ def publish(client, name: str, versions: int, mib: int, root: Path) -> dict[str,
         d = root / f"{name}-export-{k}"
         d.mkdir(parents=True)
         (d / "config.json").write_text(json.dumps({"export": k, "speculators_config": {
-            "verifier": {"name_or_path": TAGS["verifier.name_or_path"]}}}))
+            "verifier": {"name_or_path": TAGS["verifier.name_or_path"]}}, **served_aux_fields([2, 4, 5])}))
         (d / "README.md").write_text("# a drafter of the fleet test\n")
         (d / "model.safetensors").write_bytes(random.Random(k).randbytes(mib << 20))
         manifest = {p.name: file_sha256(p) for p in sorted(d.iterdir())}
