@@ -81,9 +81,11 @@ TINY_DIR = _var("TINY_DIR", str, "", "a folder", "Where `init=tiny` finds the Ll
                 "(`draftline make-tiny OUT_DIR`; default work/tiny).")
 TINY_KIMI_DIR = _var("TINY_KIMI_DIR", str, "", "a folder", "Where `init=tiny-kimi` and `init=tiny-kimi-mla` find "
                      "the Kimi family's tiny parents (`draftline make-tiny OUT_DIR --family kimi`).")
-REGISTRY_POLICIES = _var("REGISTRY_POLICIES", str, "", "a folder", "The team's promotion policies, one "
-                         "<stage>.yaml each (default: the shipped registry_policies/; registry_policies/gpu gates on "
-                         "speed).")
+REGISTRY_POLICIES = _var("REGISTRY_POLICIES", str, "", "a folder or a shipped set", "The team's promotion "
+                         "policies, one <stage>.yaml each, or the name of a set draftline ships (`gpu`: gates on "
+                         "speed, for a deployment on GPUs); default: the shipped registry_policies/.")
+HOST = _var("HOST", str, "", "a name", "The serving host's name in the served.<host>.since/until tags "
+            "`draftline serve` records on the versions it serves (default: the hostname).")
 # tracking
 EXPERIMENT = _var("EXPERIMENT", str, "draftline", "a name", "The MLflow experiment the stages' runs go to.")
 # vLLM
@@ -115,7 +117,7 @@ NODE_STALE_S = _var("NODE_STALE_S", _seconds, 30.0, "seconds", "How long a node 
                     "silent before the others stop the job.")
 
 VARS: tuple[Var, ...] = (WORK, ROOT, CACHE_DIR, PARENTS, PARENTS_DIR, TINY_DIR, TINY_KIMI_DIR, REGISTRY_POLICIES,
-                         EXPERIMENT, VLLM_PYTHON, VLLM_ARGS, REGENERATE_API_KEY, TRUST_REMOTE_CODE, LOG, VERBOSE,
+                         HOST, EXPERIMENT, VLLM_PYTHON, VLLM_ARGS, REGENERATE_API_KEY, TRUST_REMOTE_CODE, LOG, VERBOSE,
                          PROGRESS_S, TRACKING_WAIT_S, STOP_GRACE_S, RETRY_S, PROMOTION_WAIT_S, NODE_STALE_S)
 
 

@@ -11,7 +11,6 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 import requests
-from sqlalchemy.engine import make_url
 
 from draftline.errors import ServerUnavailable, TrackingError
 
@@ -53,6 +52,8 @@ def store_path(uri: str) -> Path | None:
     (a server, an in-memory sqlite). Parsed as SQLAlchemy and MLflow parse them: ``sqlite:///mlflow.db`` is
     relative to the working directory, ``sqlite:////abs/mlflow.db`` absolute."""
     if uri.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url  # noqa: PLC0415 (a sqlite store needs SQLAlchemy; a serving host with the light install talks to a server)
+
         database = make_url(uri).database
         return Path(database) if database and database != ":memory:" else None
     if uri.startswith("file:"):

@@ -42,7 +42,7 @@ def test_promotion_on_evidence(server_workspace, tiny):
     assert 1.0 <= parent["measured_acceptance_length"] <= 1.0 + 3
 
     steps = ("--gpus", "1", "--tokens-per-batch", "512", "--warmup-steps", "0", "--val-every", "10")
-    good = invoke("finetune", "--data", train["data_uri"], "--init", "tiny", "--vocab", "rebuild", "--steps", "40",
+    good = invoke("finetune", "--data", train["data_uri"], "--init", "tiny", "--vocab", "rebuild", "--steps", "60",
                   "--lr", "3e-3", "--eval-data", ev["data_uri"], *steps)
     run = client.get_run(good["run_id"])
     # the parent measured before step 1, on the fixed evaluation set, and the best checkpoint handed on

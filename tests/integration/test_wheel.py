@@ -59,3 +59,6 @@ def test_the_wheel_installed_elsewhere_runs_finetune_help_plan_and_promote(tmp_p
     # the policy shipped in the wheel was read: its rules are printed (this bare version fails them)
     assert "train.pairing is vllm-shifted" in r.stdout + r.stderr and "export validated" in r.stdout + r.stderr
     assert "policy file" not in r.stdout + r.stderr  # found, read, valid
+    # the GPU deployment's policy set ships in the wheel too, named from any folder
+    gpu = draftline("promote", "d", "1", "--to", "Production", "--dry-run", "--policy", "gpu")
+    assert "speed-up at concurrency 1 >= 1.05" in gpu.stdout + gpu.stderr, gpu.stdout + gpu.stderr

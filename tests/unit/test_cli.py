@@ -104,7 +104,7 @@ def test_help_shows_each_settings_type_and_bounds_and_no_measurements(run, comma
         if kind:
             assert f"--{name.replace('_', '-')} {kind}" in text, name
     if command == "finetune":
-        assert "--steps INTEGER Optimiser steps. [1<=x]" in text and "--lr FLOAT" in text and "[0<=x<=3]" in text
+        assert "--steps INTEGER Optimiser steps (--epochs sets them from the data instead). [1<=x]" in text and "--lr FLOAT" in text and "[0<=x<=3]" in text
         assert "--precision [auto|bf16|fp32]" in text
     # figures measured on one machine go stale unseen in help: they live in benchmarks/results
     assert not re.search(r"\d(\.\d+)?x (faster|slower)|on 2 CPU cores|served best", text)

@@ -89,7 +89,7 @@ def problems_with(args: str, commands: dict) -> list[str]:
         words.pop(0)
     if not words or not re.fullmatch(r"[a-z][a-z0-9-]*", words[0]):
         return []  # `draftline` alone, or a placeholder: `draftline <stage> --help`
-    name, rest = words[0], " ".join(words[1:])
+    name, rest = words[0], " ".join(words[1:]).split(" -- ", 1)[0]  # after `--`: vLLM's own flags (serve)
     if name not in commands:
         return [f"draftline has no command {name!r}"]
     opts = {"--help"} | {o for p in commands[name].params for o in (*p.opts, *p.secondary_opts)}
@@ -124,6 +124,9 @@ def test_the_checker_catches_a_wrong_command_and_a_wrong_flag():
     assert problems_with("train --data x", cli.commands) == ["draftline has no command 'train'"]
     assert problems_with("-v prepare --trust-remote-code --capture-backend vllm", cli.commands) == []
     assert problems_with("<stage> --help", cli.commands) == []
+    assert problems_with("serve d --stage Production --dest x -- --tensor-parallel-size 8", cli.commands) == []
+    assert problems_with("serve d --tensor-parallel-size 8", cli.commands) == [
+        "draftline serve has no option --tensor-parallel-size"]
     lines = shell_lines("bash", ["draftline prepare --verifier v \\", "  --name evaluation   # --not-a-flag"])
     assert lines == ["draftline prepare --verifier v    --name evaluation"]
     assert shell_lines("console", ["$ draftline list", "draftline --bogus output"]) == ["draftline list"]

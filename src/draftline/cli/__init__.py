@@ -7,7 +7,7 @@ line and exit 1 (2 for usage errors); anything else is a bug and keeps its trace
 
 from __future__ import annotations
 
-from draftline.cli import plan, registry, stages  # noqa: F401  (their commands join the group)
+from draftline.cli import plan, registry, serve, stages  # noqa: F401  (their commands join the group)
 from draftline.cli.common import _settings, cli, settings_options  # noqa: F401  (the public face)
 
 

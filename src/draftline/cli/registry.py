@@ -35,8 +35,9 @@ def _report(out: dict, as_json: bool) -> None:
 @click.argument("version")
 @click.option("--to", "stage", type=click.Choice(["Staging", "Production"], case_sensitive=False), required=True,
               help="The stage to promote to.")
-@click.option("--policy", "policy_file", type=click.Path(dir_okay=False), default=None,
-              help="Policy YAML [default: registry_policies/<stage>.yaml].")
+@click.option("--policy", "policy_file", default=None,
+              help="Policy YAML, or a set draftline ships by name (gpu: gates on speed, for GPU deployments) "
+              "[default: $DRAFTLINE_REGISTRY_POLICIES/<stage>.yaml, else registry_policies/<stage>.yaml].")
 @click.option("--dry-run", is_flag=True, help="Evaluate the policy and change nothing.")
 @click.option("--demote", is_flag=True, help="Allow moving the version that holds Production (or Staging) to the "
               "other stage, leaving the stage it held empty.")
@@ -45,12 +46,13 @@ def promote(name, version, stage, policy_file, dry_run, demote, as_json):
     """Promote VERSION of registered model NAME to a stage through its policy (registry_policies/): the alias
     (@staging/@production) moves to it, and the stage with it, archiving the previous holder. Promoting the
     version that already holds the stage changes nothing."""
-    load_policy(policy_file or policy_path(stage))  # before MLflow loads: a bad policy is one line at once
+    policy = policy_path(stage, policy_file)
+    load_policy(policy)  # before MLflow loads: a bad policy is one line at once
     check_store(read_only=True)
     from draftline.registry.promotion import promote as run
 
     with _stdout_to_stderr():
-        out = run(_client(), name, version, stage, policy_file=policy_file, dry_run=dry_run, demote=demote)
+        out = run(_client(), name, version, stage, policy_file=policy, dry_run=dry_run, demote=demote)
     _report(out, as_json)
 
 
@@ -59,18 +61,20 @@ def promote(name, version, stage, policy_file, dry_run, demote, as_json):
 @click.option("--to", "version", default=None, help="The version to put back [default: the one Production held "
               "before the current holder].")
 @click.option("--reason", required=True, help="Why (recorded on the version with who and when).")
-@click.option("--policy", "policy_file", type=click.Path(dir_okay=False), default=None,
-              help="Production policy YAML [default: registry_policies/production.yaml].")
+@click.option("--policy", "policy_file", default=None,
+              help="Production policy YAML, or a shipped set by name (gpu) [default: "
+              "$DRAFTLINE_REGISTRY_POLICIES/production.yaml, else registry_policies/production.yaml].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 def rollback(name, version, reason, policy_file, as_json):
     """Put Production of NAME back on the version it held before (or --to VERSION). The integrity rules of the
     Production policy still apply; "not worse than the current Production" does not."""
-    load_policy(policy_file or policy_path("Production"))
+    policy = policy_path("Production", policy_file)
+    load_policy(policy)
     check_store(read_only=True)
     from draftline.registry.promotion import rollback as run
 
     with _stdout_to_stderr():
-        out = run(_client(), name, to=version, reason=reason, policy_file=policy_file)
+        out = run(_client(), name, to=version, reason=reason, policy_file=policy)
     _report(out, as_json)
 
 
@@ -130,11 +134,16 @@ def pull(name, stage, alias, version, dest, verifier, cache, as_json, verify_dir
     Files are hashed while they arrive; files already in the local content-addressed cache (same sha256, hashed
     when they were cached, unchanged since by their size, modification and change times) are cloned or copied
     from it, so a restarted pod or a version sharing files downloads nothing. DEST never shares a file with
-    the cache or with another DEST. DEST receives the complete verified directory or is left as it was."""
+    the cache or with another DEST. DEST receives the complete verified directory or is left as it was. A
+    drafter whose config.json vLLM's two model runners would read different aux layers from is refused (as by
+    --verify-only): re-export it."""
+    from draftline.drafter.aux_ids import require_served_ids  # light: json and the errors only
+
     if verify_dir:
         from draftline.registry.transfer import verify_directory
 
         out = verify_directory(Path(verify_dir))
+        require_served_ids(Path(verify_dir))
         click.echo(json.dumps(out, indent=2) if as_json else
                    f"{out['path']}: {out['files']} files, {out['bytes'] / (1 << 20):.1f} MiB, every sha256 as "
                    "checksums.json names it")
@@ -148,7 +157,7 @@ def pull(name, stage, alias, version, dest, verifier, cache, as_json, verify_dir
 
     with _stdout_to_stderr():
         out = versions.pull(_client(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
-                            verifier=verifier, use_cache=cache)
+                            verifier=verifier, use_cache=cache, check=require_served_ids)
     if as_json:
         click.echo(json.dumps(out, indent=2))
     else:

@@ -71,9 +71,27 @@ class Policy(BaseModel):
 POLICIES_ENV = environment.REGISTRY_POLICIES.name  # a folder of <stage>.yaml kept by the team
 
 
-def policy_path(stage: str) -> Path:
+def shipped_sets() -> list[str]:
+    """The policy sets draftline ships beside its default one (``gpu``: a deployment on GPUs)."""
+    return sorted(p.name for p in shipped("registry_policies").iterdir() if p.is_dir())
+
+
+def _set_folder(value: str) -> Path:
+    """A folder of ``<stage>.yaml``: a shipped set by name (``gpu``), else the folder the value names."""
+    if "/" not in value and value in shipped_sets() and not Path(value).is_dir():
+        return shipped("registry_policies", value)
+    return Path(value)
+
+
+def policy_path(stage: str, policy: str | None = None) -> Path:
+    """The policy file for ``stage``: ``policy`` as given (a YAML file, or a shipped set's name such as ``gpu``),
+    else ``$DRAFTLINE_REGISTRY_POLICIES`` (a folder, or a shipped set's name), else the default set."""
+    if policy:
+        return _set_folder(policy) / f"{stage.lower()}.yaml" if not policy.endswith((".yaml", ".yml")) \
+            else Path(policy)
     folder = environment.REGISTRY_POLICIES.get()
-    return Path(folder) / f"{stage.lower()}.yaml" if folder else shipped("registry_policies", f"{stage.lower()}.yaml")
+    return _set_folder(folder) / f"{stage.lower()}.yaml" if folder else \
+        shipped("registry_policies", f"{stage.lower()}.yaml")
 
 
 def policy_set(stage: str = "Production") -> str | None:
