@@ -12,9 +12,9 @@ from urllib.request import url2pathname
 
 import requests
 
-from draftline.errors import ServerUnavailable, TrackingError
+from draftline.errors import DataError, ServerUnavailable, TrackingError
 
-__all__ = ["check_reachable", "check_store", "require_store", "store_path", "tracking_uri"]
+__all__ = ["check_reachable", "check_runs", "check_store", "require_store", "store_path", "tracking_uri"]
 
 
 def tracking_uri() -> str:
@@ -83,3 +83,46 @@ def check_store(*, read_only: bool) -> str:
         require_store(uri)
     check_reachable(uri)
     return uri
+
+
+def check_runs(refs: dict[str, str | None], *, finished: bool = True) -> None:
+    """The runs a command's flags name (``{"--data": "runs:/<id>/data", "--run": "<id>"}``), checked before
+    any stage loads: a local store that does not exist holds none (refused at once, nothing created); otherwise
+    each is asked for once: one that does not exist, or (``finished``) one that did not finish, is one
+    :class:`DataError` line naming the flag and the fix."""
+    named = {flag: run_id for flag, ref in refs.items() if (run_id := _run_id(ref))}
+    if not named:
+        return
+    uri = tracking_uri()
+    path = store_path(uri)
+    if path is not None and not path.exists():
+        flag, run_id = next(iter(named.items()))
+        raise TrackingError(f"{flag} names run {run_id}, and there is no tracking store at {uri} to hold it "
+                            "(nothing was created): run this where your mlflow.db is, or point MLFLOW_TRACKING_URI "
+                            "at your store or server")
+    check_reachable(uri)
+    from mlflow import MlflowClient  # noqa: PLC0415 (only where a run is named: MLflow takes ~2 s to load)
+    from mlflow.exceptions import MlflowException  # noqa: PLC0415 (as above)
+
+    client = MlflowClient(tracking_uri=uri)
+    for flag, run_id in named.items():
+        try:
+            run = client.get_run(run_id)
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                raise DataError(f"{flag}: run {run_id} does not exist in {uri}: pass the run id the stage "
+                                "printed (`draftline list` and the MLflow UI show them)") from None
+            raise
+        if finished and run.info.status != "FINISHED":
+            step = run.data.tags.get("draftline.step", "its stage")
+            raise DataError(f"{flag}: run {run_id} ({step}) is {run.info.status}, not FINISHED: rerun or resume "
+                            "it, then pass it again")
+
+
+def _run_id(ref: str | None) -> str | None:
+    """The run id a ``runs:/<id>/...`` URI or a bare 32-hex run id names, else None (a directory, a models:/)."""
+    if not ref:
+        return None
+    if ref.startswith("runs:/"):
+        return ref[len("runs:/"):].strip("/").partition("/")[0] or None
+    return ref if len(ref) == 32 and all(c in "0123456789abcdef" for c in ref) else None

@@ -113,7 +113,30 @@ STAGE_CASES = {
                                              "is neither a directory nor a runs:/ URI", 1),
     "export to a name MLflow cannot hold": (lambda t: ["export", "--run", "x", "--registered-model", "a/b"],
                                             "cannot be a registered model name", 2),
+    "finetune on a run of a local store that does not exist": (
+        lambda t: ["finetune", "--data", f"runs:/{'0' * 32}/data", "--init", "kimi-k25"], "no tracking store at", 1),
+    "export of a run of a local store that does not exist": (lambda t: ["export", "--run", "0" * 32],
+                                                             "no tracking store at", 1),
 }
+
+
+def test_a_run_the_store_does_not_hold_or_that_did_not_finish_is_refused_before_any_stage_loads(tmp_path):
+    """Only the tracking store can tell: MLflow loads (under 4 s), torch and the stages do not, nothing is written."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    failed = client.create_run(client.create_experiment("e"), tags={"draftline.step": "prepare"}).info.run_id
+    client.set_terminated(failed, "FAILED")
+    for args, says in ((["finetune", "--data", f"runs:/{'0' * 32}/data"], "does not exist in sqlite"),
+                       (["finetune", "--data", f"runs:/{failed}/data"], "(prepare) is FAILED, not FINISHED"),
+                       (["evaluate", "--target", f"runs:/{failed}", "--data", f"runs:/{'0' * 32}/data"],
+                        "does not exist in sqlite"),
+                       (["export", "--run", failed], "is FAILED, not FINISHED")):
+        probe, stderr = _refusal(tmp_path, *args)
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert probe["code"] == 1 and len(errors) == 1 and says in errors[0], stderr
+        assert not {"torch", "deepspeed", "transformers", "speculators"} & set(probe["loaded"]), probe["loaded"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "probe.json"]
 
 
 @pytest.mark.parametrize("case", list(STAGE_CASES))

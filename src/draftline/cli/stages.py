@@ -13,7 +13,7 @@ from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, mod
 from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig, shipped, suggest
 from draftline.data.inputs import check_data_ref, read_inputs
 from draftline.serving.verifiers import CATALOG as VERIFIERS
-from draftline.store import check_store
+from draftline.store import check_runs, check_store
 from draftline.train.inputs import check_visible as check_finetune_files
 from draftline.train.inputs import job_place
 from draftline.train.nodes import QUIET_C10D
@@ -98,6 +98,8 @@ def finetune(config_file, resume_run, **flags):
     if place.multi:  # the launchers' rendezvous speaks in one line, not c10d's retry traces
         os.environ.setdefault(QUIET_C10D[0], QUIET_C10D[1])
     if place.leader:  # node 0 opens the run; the other nodes attach through it
+        check_runs({"--data": cfg.data, "--eval-data": cfg.eval_data})  # prepared data: a finished prepare
+        check_runs({"--resume": resume_run}, finished=False)  # an interrupted finetune, FAILED or KILLED
         check_store(read_only=False)
     from draftline.train.finetune import run
 
@@ -111,6 +113,7 @@ def evaluate(config_file, **flags):
     by real speculative decoding against the verifier; logged onto its model (one MLflow run)."""
     cfg = _settings(EvaluateConfig, config_file, flags)
     check_data_ref(cfg.data)  # before the heavy libraries load
+    check_runs({"--data": cfg.data, "--target": cfg.target if cfg.target.startswith("runs:/") else None})
     check_store(read_only=False)
     from draftline.evaluation.stage import run
 
@@ -122,6 +125,7 @@ def evaluate(config_file, **flags):
 def export(config_file, **flags):
     """Consolidate, validate and register a finetune run's drafter as a new model version."""
     cfg = _settings(ExportConfig, config_file, flags)  # names and values refused before the stage loads
+    check_runs({"--run": cfg.run})  # a finetune that finished: its drafter was handed on
     check_store(read_only=False)
     from draftline.export.stage import run
 
