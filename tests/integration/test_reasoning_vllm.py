@@ -55,6 +55,8 @@ def test_real_vllm_with_and_without_the_kimi_reasoning_parser_trains_the_same_to
         {"role": m["role"], "content": m["content"]} for m in s["messages"]]}, 512).num_masked
         for s in served["kimi_k2"])
     assert before < masked / 2, (before, masked)
+    print(f"loss-masked tokens: {masked} as served, with or without the parser; {before} from the parser's "
+          "answer text through the chat template")
     close = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     assert thinking_off and all(m["prompt_token_ids"][-2:] == close for m in thinking_off)
     assert not any(m.get("reasoning") for m in thinking_off)  # the parser saw the thinking closed in the prompt
