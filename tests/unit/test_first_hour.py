@@ -29,7 +29,7 @@ def test_five_input_mistakes_each_say_one_thing_and_leave_no_run(workspace, prep
     mistakes = {
         "unknown init": (["finetune", "--data", str(prepared), "--init", "aq-media"], "did you mean 'aq-medai'?"),
         "data run that does not exist": (["finetune", "--data", "runs:/0123456789abcdef0123456789abcdef/data",
-                                          "--init", "tiny"], "cannot download runs:/0123456789abcdef"),
+                                          "--init", "tiny"], "run 0123456789abcdef0123456789abcdef does not exist in"),
         "stage typo": (["finetune", "--data", str(prepared), "--init", "models:/tiny-drafter/Prodution"],
                        "did you mean 'Production'?"),
         "config key typo": (["finetune", "--config", str(typo_config), "--data", str(prepared)],
@@ -38,7 +38,7 @@ def test_five_input_mistakes_each_say_one_thing_and_leave_no_run(workspace, prep
                          "is neither a directory nor a runs:/ URI"),
         "evaluate: unknown target": (["evaluate", "--target", "tinyy", "--data", str(prepared)],
                                      "did you mean 'tiny'?"),
-        "export: no such run": (["export", "--run", "0123456789abcdef0123456789abcdef"], "does not exist on"),
+        "export: no such run": (["export", "--run", "0123456789abcdef0123456789abcdef"], "--run: run 0123"),
     }
     for what, (args, message) in mistakes.items():
         out = _one_message(_invoke(*args))

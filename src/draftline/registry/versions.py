@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
+from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 from mlflow.utils.validation import MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
 
 from draftline.errors import RegistryError, VerificationError
@@ -111,7 +112,21 @@ def register(client, name: str, *, model_id: str, run_id: str, tags: dict[str, s
         client.delete_model_version(name, version.version)
         raise RegistryError(f"version {version.version} of {name} did not become READY ({version.status}); "
                             "it was removed")
+    _link_version(client, model_id, name, str(version.version))
     return version
+
+
+def _link_version(client, model_id: str, name: str, version: str) -> None:
+    """What ``mlflow.register_model`` records beside the version (tracking/_model_registry/fluent.py): the
+    version on its LoggedModel's ``mlflow.modelVersions`` tag, so the model's page in the UI lists it."""
+    try:
+        linked = json.loads(client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
+        client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(
+            [*linked, {"name": name, "version": version}])})
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"link version {version} of {name} to its model {model_id}",
+                          f"EDIT permission on the experiment of model {model_id}")
 
 
 def _create_registered_model(client, name: str) -> None:
