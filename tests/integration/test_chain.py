@@ -90,7 +90,8 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert logged.params["parent.sha256"] == p["parent.sha256"] and logged.params["data.digest"] == prep["digest"]
     assert logged.params["train.pairing"] == "vllm-shifted"
     # as mlflow.register_model records it: the model's page in the UI lists the version registered from it
-    assert json.loads(logged.tags["mlflow.modelVersions"]) == [{"name": "tiny-drafter", "version": "1"}]
+    assert [(v["name"], str(v["version"])) for v in json.loads(logged.tags["mlflow.modelVersions"])] == [
+        ("tiny-drafter", "1")]
     assert {m.key for m in logged.metrics} >= {"val/acceptance_length", "train/loss"}
     assert mv.tags["verifier.name_or_path"] == "draftline/tiny-verifier"
 

@@ -196,7 +196,7 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     assert fp["drafter.layer"] == "mla"
 
     child = invoke("evaluate", "--target", f"runs:/{ft['run_id']}", "--data", ev["data_uri"], "--max-new-tokens",
-                   "24", "--cross-check", "true", "--sweep-k", "1..3")
+                   "24", "--cross-check", "true", "--sweep-k", "2..3")
     assert child["backend"] == "vllm", child  # an MLA drafter is served beside the MLA verifier on any CPU
     assert child["measured_acceptance_length"] > 1.0, child
     m = client.get_run(child["run_id"]).data.metrics
@@ -216,8 +216,8 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     assert 0 < low <= value <= high and m["eval/speed/c1/waves"] == child["prompts"]
     assert m["eval/speed/c1/plain_tokens_per_s"] > 0 and m["eval/speed/c1/drafted_tpot_ms"] > 0
     # --sweep-k: a drafted server per k beside the plain one; the k recommended is the fastest measured
-    assert sorted(child["sweep"]) == ["k1", "k2", "k3"] and child["sweep"]["k3"] == child["speedup"], child
-    fastest = max((1, 2, 3), key=lambda k: child["sweep"][f"k{k}"]["c1"][0])
+    assert sorted(child["sweep"]) == ["k2", "k3"] and child["sweep"]["k3"] == child["speedup"], child
+    fastest = max((2, 3), key=lambda k: child["sweep"][f"k{k}"]["c1"][0])
     assert child["recommended_num_speculative_tokens"] == fastest == m["eval/sweep/c1/fastest_k"], child
     assert child["recommended_from"] == "measured speed at concurrency 1", child
 

@@ -118,9 +118,12 @@ def register(client, name: str, *, model_id: str, run_id: str, tags: dict[str, s
 
 def _link_version(client, model_id: str, name: str, version: str) -> None:
     """What ``mlflow.register_model`` records beside the version (tracking/_model_registry/fluent.py): the
-    version on its LoggedModel's ``mlflow.modelVersions`` tag, so the model's page in the UI lists it."""
+    version on its LoggedModel's ``mlflow.modelVersions`` tag, so the model's page in the UI lists it. MLflow
+    3.17's stores already do it when the version names its model; a store that did not gets it here, once."""
     try:
         linked = json.loads(client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
+        if any(v.get("name") == name and str(v.get("version")) == version for v in linked):
+            return
         client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(
             [*linked, {"name": name, "version": version}])})
     except MlflowException as e:
