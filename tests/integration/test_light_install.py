@@ -97,6 +97,11 @@ def test_the_light_install_serves_from_the_registry_and_leaves_vllms_pins_alone(
     pulled = draftline("pull", "light-drafter", "--version", "1", "--dest", str(tmp_path / "pulled"), "--json")
     assert pulled.returncode == 0, pulled.stderr
     assert json.loads(pulled.stdout)["version"] == "1" and (tmp_path / "pulled" / "model.safetensors").is_file()
+    # an orchestrator's check: the version named is the one DEST holds (exit 3), or a new one was pulled (0)
+    same = draftline("pull", "light-drafter", "--version", "1", "--dest", str(tmp_path / "pulled"), "--if-changed")
+    assert same.returncode == 3 and "nothing downloaded" in same.stdout, same.stdout + same.stderr
+    fresh = draftline("pull", "light-drafter", "--version", "1", "--dest", str(tmp_path / "new"), "--if-changed")
+    assert fresh.returncode == 0 and (tmp_path / "new" / "model.safetensors").is_file(), fresh.stderr
     printed = draftline("serve", "light-drafter", "--version", "1", "--dest", str(tmp_path / "srv"), "--print",
                         "--vllm", "vllm serve", "--", "--tensor-parallel-size", "8")
     assert printed.returncode == 0, printed.stderr

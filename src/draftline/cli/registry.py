@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -111,6 +112,9 @@ def compare(name, versions, as_json):
     click.echo(json.dumps(table, indent=2) if as_json else views.render_compare(table))
 
 
+UNCHANGED = 3  # pull --if-changed: DEST already holds the version named
+
+
 @cli.command()
 @click.argument("name", required=False, callback=model_name)
 @click.option("--stage", default=None, help="Pull the version in this stage (e.g. Production).")
@@ -127,8 +131,11 @@ def compare(name, versions, as_json):
               "clone (XFS with reflink, btrfs) or $DRAFTLINE_CACHE_DIR is set; --cache keeps it on any file "
               "system (a second write of every byte on ext4, repaid by the next pull of those bytes on this "
               "node); --no-cache neither reads nor keeps.")
+@click.option("--if-changed", is_flag=True,
+              help="For orchestrators that restart pods themselves: when DEST already holds the version the stage or "
+              "alias names, download nothing and exit 3 (0: a new version was pulled).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def pull(name, stage, alias, version, dest, verifier, cache, as_json, verify_dir):
+def pull(name, stage, alias, version, dest, verifier, cache, if_changed, as_json, verify_dir):
     """Download a registered drafter, verify every file against its checksums, print the vLLM command.
 
     Files are hashed while they arrive; files already in the local content-addressed cache (same sha256, hashed
@@ -157,7 +164,11 @@ def pull(name, stage, alias, version, dest, verifier, cache, as_json, verify_dir
 
     with _stdout_to_stderr():
         out = versions.pull(_client(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
-                            verifier=verifier, use_cache=cache, check=require_served_ids)
+                            verifier=verifier, use_cache=cache, check=require_served_ids, if_changed=if_changed)
+    if out.get("unchanged"):
+        click.echo(json.dumps(out, indent=2) if as_json else
+                   f"{out['path']} already holds models:/{name}/{out['version']}: nothing downloaded")
+        sys.exit(UNCHANGED)
     if as_json:
         click.echo(json.dumps(out, indent=2))
     else:

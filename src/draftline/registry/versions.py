@@ -38,6 +38,7 @@ from draftline.registry.mlflow_errors import (
 from draftline.registry.retry import retrying
 from draftline.registry.stages import STAGES, resolve_stage
 from draftline.registry.transfer import fetch_directory
+from draftline.util import manifest_digest
 
 log = logging.getLogger(__name__)
 _URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/@]+)|@(?P<alias>[^/@]+))/?$")
@@ -163,7 +164,7 @@ def exported_k(config: dict, tags: dict) -> int:
 
 def pull(client, name: str, *, stage: str | None, alias: str | None, version: str | None, dest: Path,
          verifier: str | None = None, use_cache: bool | None = None,
-         check: Callable[[Path], None] | None = None) -> dict:
+         check: Callable[[Path], None] | None = None, if_changed: bool = False) -> dict:
     """Download a version into ``dest``, every file verified against its sha256 while it arrives; returns
     ``{"version", "path", "command", "speculative_config", "downloaded_bytes", "cached_bytes"}``. Files the
     local content-addressed cache holds are cloned or copied from it; ``use_cache`` None keeps what the pull
@@ -189,6 +190,8 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
         raise VerificationError(f"models:/{name}/{mv.version} was trained for verifier {want}, not {verifier}; "
                                 "nothing was downloaded")
     local = Path(dest)
+    if if_changed and holds(local, mv.tags.get("export.sha256")):  # what DEST holds is what the stage names
+        return {"version": mv.version, "path": str(local.absolute()), "unchanged": True}
     source = retrying(f"locate the files of models:/{name}/{mv.version}", lambda: _files_of(client, name, mv))
     stats = fetch_directory(source, local,
                             cache=None if use_cache is False else BlobCache(fill=use_cache),
@@ -203,6 +206,16 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
                              dtype="bfloat16" if mv.tags.get("drafter.layer") == "mla" else None)
     return {"version": mv.version, "path": str(local.absolute()), "command": cmd, "speculative_config": spec,
             "verifier": served, "downloaded_bytes": stats["downloaded_bytes"], "cached_bytes": stats["cached_bytes"]}
+
+
+def holds(directory: Path, digest: str | None) -> bool:
+    """Whether ``directory`` is a pulled version whose checksums.json is the one ``digest`` (a version's
+    ``export.sha256``) names (its files are re-hashed by ``pull --verify-only``)."""
+    try:
+        manifest = json.loads((Path(directory) / "checksums.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(digest) and isinstance(manifest, dict) and manifest_digest(manifest) == digest
 
 
 CHECKSUMS_TAG = "export.checksums"  # the export's checksums.json, as a version tag: a pull needs no listing
