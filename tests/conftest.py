@@ -56,9 +56,16 @@ def _no_mlflow_state_from_other_tests(monkeypatch):
         mlflow.end_run()
 
 
-# vLLM servers, draftline's commands and DeepSpeed's ranks and launchers; a session fixture's mlflow server or
-# PostgreSQL, started on first use inside a test, is the session's and is left alone
-_TEST_PROCESSES = ("vllm", "draftline", "deepspeed", "torch.distributed", "torchrun")
+# vLLM servers, draftline's commands and DeepSpeed's ranks and launchers, told by what they run (not by the path
+# of the venv they run from, which may hold any name); a session fixture's mlflow server or PostgreSQL, started
+# on first use inside a test, is the session's and is left alone
+_TEST_MODULES = ("vllm.entrypoints", "draftline.cli", "draftline.train", "deepspeed", "torch.distributed")
+
+
+def _started_by_a_test(cmdline: list[str]) -> bool:
+    program = Path(cmdline[0]).name if cmdline else ""
+    return program in ("draftline", "vllm", "deepspeed", "torchrun") or any(
+        arg.startswith(_TEST_MODULES) or "/deepspeed/launcher/" in arg for arg in cmdline[1:])
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +78,7 @@ def _nothing_left_running():
 
     def ours(p: psutil.Process) -> bool:  # what a test starts and must end (not a session's servers)
         with contextlib.suppress(psutil.Error):
-            return any(w in " ".join(p.cmdline()) for w in _TEST_PROCESSES)
+            return _started_by_a_test(p.cmdline())
         return False
 
     me = psutil.Process()
