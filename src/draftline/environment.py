@@ -99,7 +99,13 @@ REGENERATE_API_KEY = _var("REGENERATE_API_KEY", str, "", "a key", "The key of th
 TRUST_REMOTE_CODE = _var("TRUST_REMOTE_CODE", str, "", "folders", "The verifier directories this process was "
                          "told to trust (--trust-remote-code), carried to the processes it starts; set by draftline.")
 # output
-LOG = _var("LOG", str.lower, "", "warning, info or debug", "How much the libraries say: warning (quiet, the "
+def _level(text: str) -> str:
+    if text.lower() not in ("warning", "info", "debug"):
+        raise ValueError(text)
+    return text.lower()
+
+
+LOG = _var("LOG", _level, "", "warning, info or debug", "How much the libraries say: warning (quiet, the "
            "default), info (-v) or debug (-vv).")
 VERBOSE = _var("VERBOSE", _flag, False, "0 or 1", "1: every rank's whole output (as -vv).")
 PROGRESS_S = _var("PROGRESS_S", _seconds, 10.0, "seconds", "How often a finetune without a terminal prints its "

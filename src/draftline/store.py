@@ -5,6 +5,7 @@ refuses an unreachable server before MLflow loads; :mod:`draftline.tracking` doe
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -17,9 +18,16 @@ from draftline.errors import DataError, ServerUnavailable, TrackingError
 __all__ = ["check_reachable", "check_runs", "check_store", "require_store", "store_path", "tracking_uri"]
 
 
+_HOST_PORT = re.compile(r"[A-Za-z0-9.-]+:\d{1,5}(/.*)?")
+
+
 def tracking_uri() -> str:
-    """``MLFLOW_TRACKING_URI``, else an absolute ``sqlite:///<cwd>/mlflow.db`` (MLflow 3's default store)."""
+    """``MLFLOW_TRACKING_URI``, else an absolute ``sqlite:///<cwd>/mlflow.db`` (MLflow 3's default store). A
+    server named without its scheme (``mlflow:5000``) is refused naming the scheme it lacks."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri and _HOST_PORT.fullmatch(uri):
+        raise TrackingError(f"MLFLOW_TRACKING_URI={uri} names no scheme: a tracking server is http://{uri} (or "
+                            "https://), a local store sqlite:////abs/path/mlflow.db")
     if uri:
         return uri
     return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"

@@ -178,6 +178,11 @@ REGISTRY_CASES = {
         lambda t: ["prepare", "--conversations", DEMO, "--verifier", t / "v"], UNREACHABLE, "is not a directory", 1),
     "a DRAFTLINE_ variable of the wrong type": (lambda t: ["list"], {"DRAFTLINE_RETRY_S": "soon"},
                                                 "DRAFTLINE_RETRY_S='soon' is not seconds", 2),
+    "a log level draftline does not know": (lambda t: ["list"], {"DRAFTLINE_LOG": "verbose"},
+                                            "DRAFTLINE_LOG='verbose' is not warning, info or debug", 2),
+    "a tracking server named without its scheme": (
+        lambda t: ["list"], {"MLFLOW_TRACKING_URI": "mlflow:5000"},
+        "MLFLOW_TRACKING_URI=mlflow:5000 names no scheme: a tracking server is http://mlflow:5000", 1),
 }
 
 
