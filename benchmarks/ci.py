@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SUMMARY = re.compile(r"^(?:=+ )?(?P<counts>\d+ passed.*?) in (?P<secs>[\d.]+)s", re.M)
+SUMMARY = re.compile(r"^(?:=+ )?(?P<counts>(?:\d+ failed, )?\d+ passed.*?) in (?P<secs>[\d.]+)s", re.M)
 
 
 def _cpuinfo() -> str:
