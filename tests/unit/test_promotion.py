@@ -146,6 +146,38 @@ def test_a_stage_moved_in_mlflows_ui_is_named_by_every_command_and_a_pull_refuse
 
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_a_promotion_that_lands_between_a_pulls_two_reads_is_not_a_split(client, monkeypatch):
+    """A command reads the stage, then the alias. A promotion whose two writes (alias, then stage) land on
+    either side of the first read, its lock let go before the command looks, shows a split the registry never
+    had (seen in CI: eight pods pulling under a mover, one refused as "ambiguous"). It is read again, and the
+    version that now holds both is the answer, with nothing said."""
+    from mlflow.tracking._model_registry.client import ModelRegistryClient
+
+    name = "passing"
+    for acc in (1.5, 1.6):
+        _version(client, name, acc)
+    assert run("promote", name, "1", "--to", "Production").exit_code == 0
+    latest, by_alias, writes = ModelRegistryClient.get_latest_versions, MlflowClient.get_model_version_by_alias, []
+
+    def read_stage(self, *args, **kwargs):
+        if not writes:  # the promoter's first write lands just before the command reads the stage
+            writes.append(MlflowClient().set_registered_model_alias(name, "production", "2"))
+        return latest(self, *args, **kwargs)
+
+    def read_alias(self, *args, **kwargs):
+        if len(writes) == 1:  # and its second just after
+            writes.append(MlflowClient().transition_model_version_stage(name, "2", "Production",
+                                                                        archive_existing_versions=True))
+        return by_alias(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRegistryClient, "get_latest_versions", read_stage)
+    monkeypatch.setattr(MlflowClient, "get_model_version_by_alias", read_alias)
+    r = run("lineage", name, "Production")
+    assert len(writes) == 2 and r.exit_code == 0, r.output
+    assert r.stdout.startswith(f"{name}/2 <- ") and "[draftline]" not in r.output
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 def test_list_and_compare(client):
     name = "listed"
     _version(client, name, 1.5)

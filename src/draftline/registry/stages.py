@@ -117,7 +117,32 @@ def resolve_stage(client, name: str, stage: str, *, refuse: bool = False):
     """``models:/NAME/STAGE`` as draftline reads it: the version the stage's alias names (the truth). Where
     MLflow's stage names another version, say so in one line naming both and the commands that reconcile them,
     and go on with the alias's, or, with ``refuse`` (a pull installs what it resolves), raise instead of
-    choosing. A registry without the alias: the newest version in the stage. One request when they agree."""
+    choosing. A registry without the alias: the newest version in the stage. One request when they agree.
+
+    The stage and the alias are two reads: a promotion that begins and ends between them (alias, stage, lock
+    released) leaves a split that was never in the registry at any one moment. A split with no promotion in
+    flight is therefore read again, and said only when the second reading shows it too."""
+    for attempt in range(SPLIT_READS):
+        named, split = _read_stage(client, name, stage)
+        if split is None or promotion_in_progress(client, name):
+            break
+        if attempt + 1 < SPLIT_READS:
+            time.sleep(0.2 * (attempt + 1))
+            continue
+        if refuse:
+            raise RegistryError(split.refusal())
+        say(split.warning())
+    if named is None:
+        raise RegistryError(f"models:/{name}/{stage} does not resolve on {registry_uri()}: "
+                            f"no version of {name} is in stage {stage}")
+    return named
+
+
+SPLIT_READS = 3  # readings of a stage/alias split before it is taken for a real one (not a promotion in passing)
+
+
+def _read_stage(client, name: str, stage: str):
+    """One reading of ``stage``: (the version draftline takes, the split between stage and alias or None)."""
     uri = f"models:/{name}/{stage}"
     try:
         # what MLflow resolves the stage to; its registry client's call, one request: MlflowClient's own first
@@ -130,22 +155,15 @@ def resolve_stage(client, name: str, stage: str, *, refuse: bool = False):
                             + unknown_model_hint(client, name)) from None
     held = latest[0] if latest else None
     alias = ALIASES.get(stage)
-    named = held
-    if alias is not None and (held is None or alias not in (held.aliases or [])):
-        try:
-            named = client.get_model_version_by_alias(name, alias)
-        except MlflowException as e:
-            if not alias_unset(e):
-                raise_failure(e, f"read @{alias} of {name}", f"READ permission on registered model {name}")
-            named = held  # no such alias: a registry from before the aliases
-        split = stage_split(name, stage, named and str(named.version), held and str(held.version))
-        if split and not promotion_in_progress(client, name):
-            if refuse:
-                raise RegistryError(split.refusal())
-            say(split.warning())
-    if named is None:
-        raise RegistryError(f"{uri} does not resolve on {registry_uri()}: no version of {name} is in stage {stage}")
-    return named
+    if alias is None or (held is not None and alias in (held.aliases or [])):
+        return held, None
+    try:
+        named = client.get_model_version_by_alias(name, alias)
+    except MlflowException as e:
+        if not alias_unset(e):
+            raise_failure(e, f"read @{alias} of {name}", f"READ permission on registered model {name}")
+        return held, None  # no such alias: a registry from before the aliases
+    return named, stage_split(name, stage, str(named.version), held and str(held.version))
 
 
 def stage_splits(client, name: str, *, aliases: dict, versions) -> list[StageSplit]:
