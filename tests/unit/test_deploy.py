@@ -20,9 +20,9 @@ from draftline.serving import deploy
 WAITS = [sys.executable, "-c", "import json, sys, time; print(json.dumps(sys.argv[1:]), flush=True); time.sleep(600)"]
 
 
-def _version(n: str, **kw) -> deploy.Version:
-    spec = {"model": f"/srv/d/v{n}", "method": "eagle3", "num_speculative_tokens": 3}
-    return deploy.Version(number=n, directory=Path(f"/srv/d/v{n}"), spec=spec, verifier="/models/Kimi-K2.5",
+def _version(n: str, root: Path = Path("/srv/d"), **kw) -> deploy.Version:
+    spec = {"model": f"{root}/v{n}", "method": "eagle3", "num_speculative_tokens": 3}
+    return deploy.Version(number=n, directory=root / f"v{n}", spec=spec, verifier="/models/Kimi-K2.5",
                           trust_remote_code=kw.get("trust", True), dtype=kw.get("dtype", "bfloat16"))
 
 
@@ -61,7 +61,7 @@ def test_following_the_stage_switches_on_promotion_and_rollback_and_never_leaves
         pulls.append(n)
         if n == "2" and pulls.count("2") == 1:
             raise VerificationError("model.safetensors: sha256 differs from checksums.json")
-        return _version(n)
+        return _version(n, tmp_path)
 
     def record(n: str, what: str, _when: str) -> None:
         events.append((n, what))
@@ -80,13 +80,14 @@ def test_following_the_stage_switches_on_promotion_and_rollback_and_never_leaves
     assert any("version 2 could not be pulled (model.safetensors" in s and "keeps serving" in s for s in said)
     started = [shlex.split(s.split(": ", 1)[1]) for s in said if s.startswith("serving version")]
     assert [json.loads(a[a.index("--speculative-config") + 1])["model"] for a in started] == [
-        "/srv/d/v1", "/srv/d/v2", "/srv/d/v1"]
+        f"{tmp_path}/v1", f"{tmp_path}/v2", f"{tmp_path}/v1"]
+    assert (tmp_path / "serving").resolve() == tmp_path / "v1"  # what observe --drafter DEST/serving reads
     assert all(a[-2:] == ["--port", "8000"] for a in started)
     assert json.loads(log.read_text().splitlines()[0]) == started[0][len(WAITS):]  # what vLLM itself was given
 
 
-def test_vllm_exiting_ends_serve_with_its_status():
-    follow = deploy.Follow(current=lambda: "4", pull=_version, record=lambda *a: None)
+def test_vllm_exiting_ends_serve_with_its_status(tmp_path):
+    follow = deploy.Follow(current=lambda: "4", pull=lambda n: _version(n, tmp_path), record=lambda *a: None)
     exits = [sys.executable, "-c", "import sys; sys.exit(3)"]
     t = time.monotonic()
     assert deploy.serve(follow, exits, [], every_s=None, stop_timeout_s=5, say=lambda s: None) == 3

@@ -70,8 +70,9 @@ def test_the_systemd_units_run_draftline_serve_and_observe_with_what_they_declar
 
     observe = _unit(DEPLOY / "systemd" / "draftline-observe.service")
     (start,) = observe["Service"]["ExecStart"]
-    params = _parses(_systemd_argv(start, ENV), "draftline-observe.service")
-    assert params["version"] == "models:/kimi-k25-drafter/Production" and params["every_minutes"] == 15
+    observed = _parses(_systemd_argv(start, ENV), "draftline-observe.service")
+    # the version vLLM runs (serve's DEST/serving link), not the stage, which moves before serve follows it
+    assert observed["drafter_dir"] == f"{params['dest']}/serving" and observed["every_minutes"] == 15
     assert observe["Unit"]["After"] == ["draftline-serve.service"]
     for text in ((DEPLOY / "systemd" / n).read_text() for n in ("draftline-serve.service",
                                                                 "draftline-observe.service")):
@@ -89,7 +90,8 @@ def test_the_kubernetes_deployment_pulls_serves_and_observes_with_credentials_fr
     observed = _parses(containers["observe"]["command"], "the observe sidecar")
     assert (pulled["name"], pulled["stage"]) == (served["name"], served["stage"]) == ("kimi-k25-drafter",
                                                                                        "Production")
-    assert observed["version"] == "models:/kimi-k25-drafter/Production"
+    assert observed["drafter_dir"] == f"{served['dest']}/serving" and observed["version"] is None
+    assert {m["mountPath"] for m in containers["observe"]["volumeMounts"]} == {"/drafters"}
     assert served["follow_minutes"] and served["vllm_cmd"] == "vllm serve"
     mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
     assert pulled["dest"].startswith(mounts["drafters"]) and served["dest"].startswith(mounts["drafters"])

@@ -38,8 +38,9 @@ class Counters:
     def page(self) -> str:
         self.reads += 1
         text = self._page()
-        if self.reads in self.script:
-            self.serve(*self.script[self.reads])
+        if self.reads in self.script:  # traffic, or something else that happens then
+            then = self.script[self.reads]
+            then() if callable(then) else self.serve(*then)
         return text
 
     def _page(self) -> str:
@@ -83,13 +84,13 @@ def server():
     httpd.shutdown()
 
 
-def _pulled(tmp_path, client, measured):
+def _pulled(tmp_path, client, measured, folder="pulled"):
     """A registered version evaluated at ``measured`` (16 prompts, interval of width 0) and its pulled dir."""
     mlflow.set_experiment("observe")
-    unique = hashlib.sha256(str(tmp_path).encode()).hexdigest()  # one version per test on a shared server
+    unique = hashlib.sha256(str(tmp_path / folder).encode()).hexdigest()  # one version per test on a shared server
     files = {"config.json": unique, "model.safetensors": "b" * 64}
     mv = _version(client, "kimi-drafter", 1.5, measured=measured, **{"export.sha256": manifest_digest(files)})
-    pulled = tmp_path / "pulled"
+    pulled = tmp_path / folder
     pulled.mkdir()
     (pulled / "checksums.json").write_text(json.dumps(files))
     (pulled / "config.json").write_text(json.dumps({"architectures": ["Eagle3DeepseekV2ForCausalLM"],
@@ -160,6 +161,41 @@ def test_as_a_sidecar_each_window_is_recorded_and_a_quiet_one_is_said_and_skippe
     observed = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                   "tags.`draftline.observe.version` != ''")
     assert len(observed) == before + 1  # one run for every window
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+def test_as_a_sidecar_it_follows_the_version_serve_switches_to(server, tmp_path, store):
+    """`draftline serve` points DEST/serving at the version vLLM runs. The sidecar finds the version again at
+    every window: a window during which it changed is said and not recorded, and the next windows go to the new
+    version, in a run of its own."""
+    counters, endpoint = server
+    client = MlflowClient()
+    old, _ = _pulled(tmp_path, client, measured=2.0, folder="v1")
+    new, _ = _pulled(tmp_path, client, measured=2.0, folder="v2")
+    serving = tmp_path / "serving"
+    serving.symlink_to("v1")
+
+    def switch():
+        serving.unlink()
+        serving.symlink_to("v2")
+
+    # /metrics reads: 1 the check; 2-3 a window on v1; 4-5 a window the switch lands in; 6-7 a window on v2
+    counters.script = {2: (100, [80, 50, 30]), 4: (100, [10, 0, 0]), 5: switch, 6: (100, [60, 40, 20])}
+    r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(serving), "--window", "1",
+                                 "--every-minutes", "0.02", "--windows", "2", "--json"], catch_exceptions=False)
+    assert r.exit_code == 0 and counters.reads == 7, r.output
+    assert f"the version served changed during the window (v{old.version} to v{new.version}); nothing was " \
+           "recorded" in r.stderr
+    assert f"now serving models:/kimi-drafter/{new.version} (was v{old.version})" in r.stderr
+    out = json.loads(r.stdout)
+    assert out["version"] == new.version and out["served_acceptance_length"] == 2.2
+    for mv, value in ((old, 2.6), (new, 2.2)):
+        served = {m.key: m.value for m in client.get_logged_model(model_id_of(mv)).metrics}
+        assert served["served/acceptance_length"] == pytest.approx(value), (mv.version, served)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              "tags.`draftline.observe.model` = 'kimi'")
+    assert sorted(run.data.tags["draftline.observe.version"] for run in runs) == [
+        f"models:/kimi-drafter/{old.version}", f"models:/kimi-drafter/{new.version}"]
 
 
 @pytest.mark.parametrize("problem", ["no traffic", "no drafter", "unknown version", "no server", "nested-only ids"])

@@ -200,7 +200,8 @@ def lineage(name, version, as_json):
               help="A serving vLLM's OpenAI base URL (http://host:8000/v1); repeat it for several servers behind "
               "one name (their counters are summed). Credentials in the URL or the API key are never logged.")
 @click.option("--drafter", "drafter_dir", type=click.Path(file_okay=False), default=None,
-              help="The pulled directory the servers load: its checksums.json names the registered version.")
+              help="The pulled directory the servers load: its checksums.json names the registered version. "
+              "`draftline serve`'s DEST/serving points at the version vLLM runs; as a sidecar, observe follows it.")
 @click.option("--version", "version", default=None,
               help="Or the version itself: models:/NAME/VERSION (or /STAGE, @alias).")
 @click.option("--model", default=None, help="The served model name [default: the first server's first].")

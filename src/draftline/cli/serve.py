@@ -52,7 +52,8 @@ def serve(name, stage, alias, version, dest, verifier, vllm_cmd, follow_minutes,
     from draftline.serving import deploy
 
     prefix = deploy.launcher(vllm_cmd) if not print_only else shlex.split(vllm_cmd or "vllm serve")
-    follow = _registry_follow(name, stage, alias, version, Path(dest), verifier, say)
+    install = None if print_only else _vllm_install(prefix, say)
+    follow = _registry_follow(name, stage, alias, version, Path(dest), verifier, install, say)
     if print_only:
         with _stdout_to_stderr():
             v = follow.pull(follow.current())
@@ -63,17 +64,30 @@ def serve(name, stage, alias, version, dest, verifier, vllm_cmd, follow_minutes,
     sys.exit(code)
 
 
+def _vllm_install(prefix: list[str], say):
+    """The vLLM the host's command runs, or None (said) when its Python cannot be told."""
+    from draftline.serving import vllm_install
+
+    install = vllm_install.find(prefix)
+    if install is None:
+        say(f"cannot tell which vLLM {shlex.join(prefix)} runs (not a Python nor a script of one); whether it serves "
+            "each drafter is left to vLLM")
+    return install
+
+
 def _registry_follow(name: str, stage: str | None, alias: str | None, version: str | None, dest: Path,
-                     verifier: str | None, say):
+                     verifier: str | None, install, say):
     """The registry side of serving: the version named now, its verified pull into DEST/v<N>, and the record of
-    a switch on the version (a failure to record is said, never fatal)."""
+    a switch on the version (a failure to record is said, never fatal). A version this host's vLLM (``install``)
+    or verifier cannot serve is refused before anything is downloaded."""
     from draftline import tracking
     from draftline.drafter.aux_ids import require_served_ids
     from draftline.errors import DraftlineError
+    from draftline.kinds import layer_kind
     from draftline.registry import versions
     from draftline.registry.lineage import verifier_identity
     from draftline.registry.retry import retrying
-    from draftline.serving import deploy
+    from draftline.serving import deploy, vllm_install
 
     tracking.setup_read_only()
     client = tracking.client()
@@ -87,6 +101,9 @@ def _registry_follow(name: str, stage: str | None, alias: str | None, version: s
 
     def pull(number: str) -> deploy.Version:
         tags = retrying(f"read models:/{name}/{number}", lambda: client.get_model_version(name, number)).tags
+        kind = layer_kind(tags.get("drafter.layer"))
+        if install is not None:
+            vllm_install.check(install, kind, f"models:/{name}/{number}")
         if verifier:  # before anything is downloaded
             deploy.check_verifier(verifier, verifier_identity(verifier, verifier)[0], tags, f"models:/{name}/{number}",
                                   say)
@@ -96,7 +113,7 @@ def _registry_follow(name: str, stage: str | None, alias: str | None, version: s
         return deploy.Version(number=str(out["version"]), directory=Path(out["path"]),
                               spec=out["speculative_config"], verifier=verifier or out["verifier"],
                               trust_remote_code=tags.get("verifier.trust_remote_code") == "True",
-                              dtype="bfloat16" if tags.get("drafter.layer") == "mla" else None)
+                              dtype=kind.served_dtype)
 
     def record(number: str, what: str, when: str) -> None:
         try:

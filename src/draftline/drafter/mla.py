@@ -27,6 +27,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
 )
 
+from draftline.kinds import MLA
+
 __all__ = ["MLA_FIELDS", "MLA_MODEL_TYPE", "SERVED_MODEL_TYPE", "VLLM_ARCHITECTURE", "DenseDeepseekV3DecoderLayer",
            "DeepseekV3Eagle3FirstLayer", "is_mla_config", "layer_config_object", "mla_dims"]
 
@@ -34,7 +36,7 @@ MLA_MODEL_TYPE = "deepseek_v3"  # the layer config's model_type in memory (trans
 # What an exported MLA drafter's config.json says. vLLM maps ``kimi_k2`` to DeepseekV3Config; a drafter saying
 # ``deepseek_v3`` is rewritten by vLLM's SpeculativeConfig.hf_config_override into DeepSeekMTPModel and refused.
 SERVED_MODEL_TYPE = "kimi_k2"
-VLLM_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+VLLM_ARCHITECTURE = MLA.vllm_architecture
 # The fields of a DeepSeek-V3 config that describe the drafter's one MLA layer.
 MLA_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "q_lora_rank",
               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rms_norm_eps",

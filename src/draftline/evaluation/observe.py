@@ -28,7 +28,7 @@ import mlflow
 from draftline import tracking
 from draftline.data.regenerate import served_models
 from draftline.drafter.aux_ids import require_served_ids
-from draftline.errors import DataError, RegistryError
+from draftline.errors import DataError, DraftlineError, RegistryError
 from draftline.registry.evidence import MEASURED, MEASURED_HIGH, MEASURED_LOW, evaluations_of
 from draftline.registry.policies import policy_set
 from draftline.registry.versions import model_id_of, resolve_version
@@ -158,50 +158,88 @@ def run(client, endpoints: list[str], *, model: str | None, drafter_dir: str | N
     """Observe ``endpoints`` for one window (or one every ``every_s`` seconds, ``windows`` of them or until
     stopped), recording each on the version served; returns the last window's summary with ``below`` (any
     window under the evaluation's interval). Everything that can be checked is checked before a run exists,
-    and a window without traffic records nothing."""
-    mv = identify(client, drafter_dir=drafter_dir, version=version)
-    model_id = model_id_of(mv)
-    if not model_id:
-        raise RegistryError(f"models:/{mv.name}/{mv.version} has no LoggedModel to record on (registered before "
-                            "draftline 3): re-export it")
+    and a window without traffic records nothing.
+
+    As a sidecar, the version served is found again at every window (``--drafter DEST/serving``, the link
+    ``draftline serve`` moves on each switch, or a stage or alias): when it is another one, the windows go to it,
+    in a run of its own, and a window during which it changed is said and not recorded."""
+    mv = _served_version(client, drafter_dir, version)
     model = model or served_models(endpoints[0], what="vLLM endpoint", flag="--endpoint")[0]
     check_endpoints(endpoints, model)
-    evaluated = promised(client, mv)
     say(f"observing {len(endpoints)} server(s) serving {model} as models:/{mv.name}/{mv.version}, "
         f"{window_s:.0f} s windows ...")
     w = one_window(endpoints, model, window_s)  # no run before a window with traffic
-    below_any, out, step = False, {}, 0
-    tags = {"draftline.observe.version": f"models:/{mv.name}/{mv.version}", "draftline.observe.model": model}
-    with tracking.stage_run("observe", run_name=f"observe {mv.name} v{mv.version}", tags=tags) as active:
-        tracking.log_params_once({"endpoints": ",".join(redact(e) for e in endpoints), "model": model,
-                                  "window_s": window_s, "version": f"models:/{mv.name}/{mv.version}"})
-        while True:
-            below, line = verdict(w, evaluated)
-            below_any |= below
-            metrics = {**w.metrics(), f"{SERVED}/below_evaluation": float(below)}
-            mlflow.log_metrics(metrics, step=step, model_id=model_id)  # on the run, linked to the version's model
-            mlflow.set_logged_model_tags(model_id, {
-                "served.acceptance_length": f"{w.acceptance_length:.4f}",
-                "served.verdict": "below evaluation" if below else "as evaluated",
-                "served.observed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "served.observe_run_id": active.info.run_id})
-            say(line)
-            out = {"version": mv.version, "name": mv.name, "run_id": active.info.run_id, "below": below_any,
-                   "served_acceptance_length": round(w.acceptance_length, 4), "drafts": w.drafts,
-                   "generated_tokens": w.generated,
-                   "rates": [round(r, 4) for r in w.rates()], "window_s": round(w.seconds, 1), "resets": w.resets,
-                   "evaluated": list(evaluated[:3]) if evaluated else None}
-            step += 1
-            if every_s is None or (windows is not None and step >= windows):
-                return out
-            w = _next_window(endpoints, model, window_s, every_s, say)
+    if every_s is not None:  # a sidecar started during a switch: the window is the version's found after it
+        mv = _served_version(client, drafter_dir, version)
+    below_any, out, recorded = False, {}, 0
+    while True:
+        evaluated = promised(client, mv)
+        tags = {"draftline.observe.version": f"models:/{mv.name}/{mv.version}", "draftline.observe.model": model}
+        with tracking.stage_run("observe", run_name=f"observe {mv.name} v{mv.version}", tags=tags) as active:
+            tracking.log_params_once({"endpoints": ",".join(redact(e) for e in endpoints), "model": model,
+                                      "window_s": window_s, "version": f"models:/{mv.name}/{mv.version}"})
+            step = 0
+            while True:
+                below, line = verdict(w, evaluated)
+                below_any |= below
+                _record(w, below, model_id_of(mv), active.info.run_id, step)
+                say(line)
+                out = {"version": mv.version, "name": mv.name, "run_id": active.info.run_id, "below": below_any,
+                       "served_acceptance_length": round(w.acceptance_length, 4), "drafts": w.drafts,
+                       "generated_tokens": w.generated,
+                       "rates": [round(r, 4) for r in w.rates()], "window_s": round(w.seconds, 1),
+                       "resets": w.resets, "evaluated": list(evaluated[:3]) if evaluated else None}
+                step += 1
+                recorded += 1
+                if every_s is None or (windows is not None and recorded >= windows):
+                    return out
+                now, w = _next_window(endpoints, model, window_s, every_s, say,
+                                      lambda: _served_version(client, drafter_dir, version))
+                if _key(now) != _key(mv):
+                    say(f"now serving models:/{now.name}/{now.version} (was v{mv.version}): its windows go to it, "
+                        "in a run of its own")
+                    mv = now
+                    break
 
 
-def _next_window(endpoints: list[str], model: str, window_s: float, every_s: float, say) -> Window:
-    """The sidecar's next window with traffic: a quiet one is said, records nothing, and the next is tried."""
+def _key(mv) -> tuple[str, str]:
+    return mv.name, str(mv.version)
+
+
+def _served_version(client, drafter_dir: str | None, version: str | None):
+    """The version served now, with a LoggedModel to record on."""
+    mv = identify(client, drafter_dir=drafter_dir, version=version)
+    if not model_id_of(mv):
+        raise RegistryError(f"models:/{mv.name}/{mv.version} has no LoggedModel to record on (registered before "
+                            "draftline 3): re-export it")
+    return mv
+
+
+def _record(w: Window, below: bool, model_id: str, run_id: str, step: int) -> None:
+    metrics = {**w.metrics(), f"{SERVED}/below_evaluation": float(below)}
+    mlflow.log_metrics(metrics, step=step, model_id=model_id)  # on the run, linked to the version's model
+    mlflow.set_logged_model_tags(model_id, {
+        "served.acceptance_length": f"{w.acceptance_length:.4f}",
+        "served.verdict": "below evaluation" if below else "as evaluated",
+        "served.observed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "served.observe_run_id": run_id})
+
+
+def _next_window(endpoints: list[str], model: str, window_s: float, every_s: float, say, served):
+    """The sidecar's next window with traffic and one version served throughout, with that version: a quiet
+    window, one during which the version changed, or a registry that did not answer is said, records nothing,
+    and the next is tried."""
     while True:
         time.sleep(max(0.0, every_s - window_s))
         try:
-            return one_window(endpoints, model, window_s)
-        except DataError as e:
+            before = served()
+            w = one_window(endpoints, model, window_s)
+            after = served()
+        except DraftlineError as e:  # said; the sidecar goes on with the next window
             say(str(e))
+            continue
+        if _key(before) != _key(after):
+            say(f"the version served changed during the window (v{before.version} to v{after.version}); nothing "
+                "was recorded")
+            continue
+        return after, w

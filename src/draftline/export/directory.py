@@ -11,6 +11,7 @@ from draftline.config import ExportConfig
 from draftline.drafter.aux_ids import served_ids_problem
 from draftline.drafter.served import save_served, short_form
 from draftline.errors import CheckpointError, DataError
+from draftline.kinds import MLA, layer_kind
 from draftline.registry.confidence import Interval
 from draftline.registry.lineage import LINEAGE_FILE
 
@@ -99,9 +100,10 @@ def serve_lines(lineage: dict) -> str:
     k = lineage.get("eval.recommended_num_speculative_tokens", lineage.get("ttt_steps", 3))
     spec = f'''--speculative-config '{{"model": "<this dir>", "method": "eagle3", "num_speculative_tokens": {k}}}'''
     long = f"vllm serve {lineage.get('verifier.name_or_path')} {spec}"
-    if lineage.get("drafter.layer") == "mla":
-        return (f"{long} --dtype bfloat16   # an MLA drafter (Eagle3DeepseekV2ForCausalLM): vLLM's speculators reader knows no MLA "
-                "layer, so the verifier is named here")
+    kind = layer_kind(lineage.get("drafter.layer"))
+    if kind is MLA:
+        return (f"{long} --dtype {kind.served_dtype}   # an MLA drafter ({kind.vllm_architecture}): vLLM's speculators "
+                "reader knows no MLA layer, so the verifier is named here")
     return f"vllm serve <this dir>   # the verifier comes from speculators_config.verifier.name_or_path\n{long}"
 
 

@@ -23,6 +23,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 from mlflow.utils.validation import MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
 
 from draftline.errors import RegistryError, VerificationError
+from draftline.kinds import layer_kind
 from draftline.registry.blobcache import BlobCache
 from draftline.registry.mlflow_errors import (
     absent,
@@ -203,7 +204,7 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     steps = exported_k(config, mv.tags)
     cmd, spec = vllm_command(local.absolute(), verifier or served, steps,
                              trust_remote_code=mv.tags.get("verifier.trust_remote_code") == "True",
-                             dtype="bfloat16" if mv.tags.get("drafter.layer") == "mla" else None)
+                             dtype=layer_kind(mv.tags.get("drafter.layer")).served_dtype)
     return {"version": mv.version, "path": str(local.absolute()), "command": cmd, "speculative_config": spec,
             "verifier": served, "downloaded_bytes": stats["downloaded_bytes"], "cached_bytes": stats["cached_bytes"]}
 

@@ -7,7 +7,8 @@ it, and exits with vLLM's status. With ``--follow-minutes N`` it asks the regist
 the stage (or alias) names; when another one (a promotion, or a rollback), it pulls and verifies it beside the
 one serving, stops vLLM (SIGTERM, then ``--stop-timeout`` seconds) and starts it on the new one. A pull that fails,
 or a registry that does not answer, leaves the serving version serving and is said; it is retried at the next
-check. Every switch is recorded on both versions as tags: ``served.<host>.since`` and ``served.<host>.until``.
+check. Every switch is recorded on both versions as tags: ``served.<host>.since`` and ``served.<host>.until``,
+and ``DEST/serving`` points at the version vLLM runs (``observe --drafter DEST/serving`` follows it).
 """
 
 from __future__ import annotations
@@ -200,8 +201,22 @@ def _start(prefix: list[str], v: Version, passthrough: list[str], follow: Follow
     except OSError as e:
         raise DraftlineError(f"cannot start vLLM ({e.strerror}: {cmd[0]}): pass --vllm with the command that "
                              "starts your vLLM server") from None
+    point_serving(v.directory)
     follow.record(v.number, "since", now())
     return server
+
+
+SERVING_LINK = "serving"  # DEST/serving: the version vLLM runs now (observe --drafter DEST/serving follows it)
+
+
+def point_serving(directory: Path) -> None:
+    """Point ``DEST/serving`` at ``directory`` (``DEST/v<N>``) in one rename, so a reader sees the old version or
+    the new one, never none."""
+    link, tmp = directory.parent / SERVING_LINK, directory.parent / f".{SERVING_LINK}.{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    tmp.symlink_to(directory.name)
+    os.replace(tmp, link)
 
 
 def _check(follow: Follow, serving: Version, say) -> Version | None:
