@@ -6,9 +6,7 @@ registry, as ./setup.sh does."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
@@ -21,6 +19,7 @@ from draftline.export.upload import CHECKSUMS, sha256_manifest
 from draftline.util import manifest_digest
 
 from ..unit.test_registry import TAGS
+from .conftest import clean_env
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,12 +32,9 @@ def _size(path: Path) -> int:
 
 @pytest.mark.timeout(900)
 def test_the_light_install_serves_from_the_registry_and_leaves_vllms_pins_alone(tmp_path, mlflow_server,
-                                                                               vllm_python):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DRAFTLINE_", "PYTHONPATH"))}
-    wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(wheels), str(ROOT)], check=True, cwd=tmp_path, env=env)
-    wheel = next(wheels.glob("draftline-*.whl"))
+                                                                               vllm_python, light_install):
+    env = clean_env()
+    wheel, venv = light_install["wheel"], light_install["venv"]
 
     # beside vLLM: what pip would install there, and what of vLLM's venv it would move
     report = tmp_path / "report.json"
@@ -61,10 +57,6 @@ def test_the_light_install_serves_from_the_registry_and_leaves_vllms_pins_alone(
             assert spec.specifier.contains(changed[name][1], prereleases=True), (spec, changed[name])
     print(f"beside vLLM 0.32: {len(planned) - 1} packages added, versions moved: {changed or 'none'}")
 
-    venv = tmp_path / "light"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    str(wheel)], check=True, env=env, timeout=600)
     for module in HEAVY:
         r = subprocess.run([str(venv / "bin" / "python"), "-c", f"import {module}"], capture_output=True, env=env)
         assert r.returncode != 0, f"the light install brought {module}"

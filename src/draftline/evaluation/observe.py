@@ -8,7 +8,8 @@ then counts from its restart (its second read alone), and the window says it saw
 one served name are read one by one and summed. The served acceptance length is vLLM's ``1 + accepted / drafts``.
 
 The version is found from the directory the server loads (the pulled drafter: the digest of its
-``checksums.json`` is the version's ``export.sha256``; a directory whose aux layers vLLM's two runners would read
+``checksums.json`` is the version's ``export.sha256``, and where one export was registered as several versions,
+the ``v<N>`` folder ``draftline serve`` pulled it into says which; a directory whose aux layers vLLM's two runners would read
 differently is refused), or named (``models:/NAME/VERSION``). Each window is a step
 of one ``observe`` run, logged on the version's LoggedModel as ``served/*``, and compared with the version's
 measured evaluation on the Production policy's set: inside or above its interval is "as evaluated"; below its
@@ -105,6 +106,9 @@ def identify(client, *, drafter_dir: str | None, version: str | None):
                             "wrote, or --version models:/NAME/VERSION") from None
     require_served_ids(drafter_dir)  # a GPU server would capture other layers than the version was measured on
     found = client.search_model_versions(f"tags.`export.sha256` = '{digest}'")
+    if len(found) > 1:  # one export registered twice: `draftline serve` pulls version N into DEST/vN
+        named = [mv for mv in found if Path(drafter_dir).resolve().name == f"v{mv.version}"]
+        found = named if len(named) == 1 else found
     if len(found) != 1:
         raise RegistryError(f"{drafter_dir} is {'no' if not found else 'more than one'} registered version (export "
                             f"digest {digest[:12]}): pass --version models:/NAME/VERSION")
@@ -168,9 +172,11 @@ def run(client, endpoints: list[str], *, model: str | None, drafter_dir: str | N
     check_endpoints(endpoints, model)
     say(f"observing {len(endpoints)} server(s) serving {model} as models:/{mv.name}/{mv.version}, "
         f"{window_s:.0f} s windows ...")
-    w = one_window(endpoints, model, window_s)  # no run before a window with traffic
-    if every_s is not None:  # a sidecar started during a switch: the window is the version's found after it
-        mv = _served_version(client, drafter_dir, version)
+    if every_s is None:
+        w = one_window(endpoints, model, window_s)  # no run before a window with traffic
+    else:  # a sidecar waits for traffic, and records a window on the version served throughout it
+        mv, w = _next_window(endpoints, model, window_s, 0.0, say, lambda: _served_version(client, drafter_dir,
+                                                                                           version))
     below_any, out, recorded = False, {}, 0
     while True:
         evaluated = promised(client, mv)

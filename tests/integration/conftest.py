@@ -1,0 +1,35 @@
+"""Fixtures of the integration tier only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without the settings that point at a tracking store or at this checkout."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DRAFTLINE_", "PYTHONPATH"))}
+
+
+@pytest.fixture(scope="session")
+def light_install(tmp_path_factory) -> dict[str, Path]:
+    """A serving host's install, built once: draftline's wheel (``wheel``) and a fresh venv (``venv``) with
+    ``pip install draftline`` alone (MLflow's light client; no torch, DeepSpeed, transformers, speculators).
+    Needs the package registry, as ./setup.sh does."""
+    root = tmp_path_factory.mktemp("light-install")
+    env = clean_env()
+    wheels = root / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), str(ROOT)], check=True, cwd=root, env=env)
+    wheel = next(wheels.glob("draftline-*.whl"))
+    venv = root / "light"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    str(wheel)], check=True, env=env, timeout=600)
+    return {"wheel": wheel, "venv": venv}
