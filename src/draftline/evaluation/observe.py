@@ -221,7 +221,8 @@ def _served_version(client, drafter_dir: str | None, version: str | None):
     return mv
 
 
-def _record(w: Window, below: bool, model_id: str, run_id: str, step: int) -> None:
+def _record(w: Window, below: bool, model_id: str | None, run_id: str, step: int) -> None:
+    assert model_id, "_served_version returns versions with a LoggedModel"
     metrics = {**w.metrics(), f"{SERVED}/below_evaluation": float(below)}
     mlflow.log_metrics(metrics, step=step, model_id=model_id)  # on the run, linked to the version's model
     mlflow.set_logged_model_tags(model_id, {
