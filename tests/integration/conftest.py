@@ -18,17 +18,21 @@ def clean_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def light_install(tmp_path_factory) -> dict[str, Path]:
+def draftline_wheel(tmp_path_factory) -> Path:
+    """draftline's wheel, built once from this checkout."""
+    wheels = tmp_path_factory.mktemp("wheels")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), str(ROOT)], check=True, cwd=wheels, env=clean_env())
+    return next(wheels.glob("draftline-*.whl"))
+
+
+@pytest.fixture(scope="session")
+def light_install(tmp_path_factory, draftline_wheel) -> dict[str, Path]:
     """A serving host's install, built once: draftline's wheel (``wheel``) and a fresh venv (``venv``) with
     ``pip install draftline`` alone (MLflow's light client; no torch, DeepSpeed, transformers, speculators).
     Needs the package registry, as ./setup.sh does."""
-    root = tmp_path_factory.mktemp("light-install")
-    env = clean_env()
-    wheels = root / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(wheels), str(ROOT)], check=True, cwd=root, env=env)
-    wheel = next(wheels.glob("draftline-*.whl"))
-    venv = root / "light"
+    env, wheel = clean_env(), draftline_wheel
+    venv = tmp_path_factory.mktemp("light-install") / "light"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
                     str(wheel)], check=True, env=env, timeout=600)

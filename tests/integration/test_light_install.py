@@ -22,7 +22,6 @@ from ..unit.test_registry import TAGS
 from .conftest import clean_env
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "deepspeed", "transformers", "speculators", "numpy", "matplotlib")
 
 

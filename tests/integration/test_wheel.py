@@ -1,7 +1,6 @@
 """An installed wheel, outside the checkout, is a draftline that runs: the catalog, the ZeRO configs and the
 default policies ship inside it, and nothing reaches back into a source tree."""
 
-import os
 import subprocess
 import sys
 import sysconfig
@@ -11,18 +10,15 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
+from .conftest import clean_env
+
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_wheel_installed_elsewhere_runs_finetune_help_plan_and_promote(tmp_path):
+def test_the_wheel_installed_elsewhere_runs_finetune_help_plan_and_promote(tmp_path, draftline_wheel):
     # nothing of the checkout may leak in through the environment (PYTHONPATH would satisfy pip, too)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DRAFTLINE_", "PYTHONPATH"))}
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(wheels), str(ROOT)], check=True, cwd=tmp_path, env=env)
-    wheel = next(wheels.glob("draftline-*.whl"))
+    env = {**clean_env(), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    wheel = draftline_wheel
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
     py = venv / "bin" / "python"

@@ -167,7 +167,10 @@ def run(client, endpoints: list[str], *, model: str | None, drafter_dir: str | N
     As a sidecar, the version served is found again at every window (``--drafter DEST/serving``, the link
     ``draftline serve`` moves on each switch, or a stage or alias): when it is another one, the windows go to it,
     in a run of its own, and a window during which it changed is said and not recorded."""
-    mv = _served_version(client, drafter_dir, version)
+    def served():
+        return _served_version(client, drafter_dir, version)
+
+    mv = served()
     model = model or served_models(endpoints[0], what="vLLM endpoint", flag="--endpoint")[0]
     check_endpoints(endpoints, model)
     say(f"observing {len(endpoints)} server(s) serving {model} as models:/{mv.name}/{mv.version}, "
@@ -175,8 +178,7 @@ def run(client, endpoints: list[str], *, model: str | None, drafter_dir: str | N
     if every_s is None:
         w = one_window(endpoints, model, window_s)  # no run before a window with traffic
     else:  # a sidecar waits for traffic, and records a window on the version served throughout it
-        mv, w = _next_window(endpoints, model, window_s, 0.0, say, lambda: _served_version(client, drafter_dir,
-                                                                                           version))
+        mv, w = _next_window(endpoints, model, window_s, 0.0, say, served)
     below_any, out, recorded = False, {}, 0
     while True:
         evaluated = promised(client, mv)
@@ -199,8 +201,7 @@ def run(client, endpoints: list[str], *, model: str | None, drafter_dir: str | N
                 recorded += 1
                 if every_s is None or (windows is not None and recorded >= windows):
                     return out
-                now, w = _next_window(endpoints, model, window_s, every_s, say,
-                                      lambda: _served_version(client, drafter_dir, version))
+                now, w = _next_window(endpoints, model, window_s, every_s, say, served)
                 if _key(now) != _key(mv):
                     say(f"now serving models:/{now.name}/{now.version} (was v{mv.version}): its windows go to it, "
                         "in a run of its own")

@@ -121,7 +121,7 @@ def resolve_stage(client, name: str, stage: str, *, refuse: bool = False):
 
     The stage and the alias are two reads: a promotion that begins and ends between them (alias, stage, lock
     released) leaves a split that was never in the registry at any one moment. A split with no promotion in
-    flight is therefore read again, and said only when the second reading shows it too."""
+    flight is therefore read again, and said only when every one of ``SPLIT_READS`` readings shows it."""
     for attempt in range(SPLIT_READS):
         named, split = _read_stage(client, name, stage)
         if split is None or promotion_in_progress(client, name):
