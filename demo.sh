@@ -20,7 +20,7 @@ t0=$SECONDS; lap() { echo "== $1 took $((SECONDS - t0)) s" >&2; t0=$SECONDS; }
 
 [ -f work/tiny/parent/model.safetensors ] || draftline make-tiny work/tiny >/dev/null
 port=$(python -c "from draftline.util import free_port; print(free_port())")
-python -m draftline.testing.tiny_server work/tiny/verifier --port "$port" >work/tiny-server.log 2>&1 &
+python -m tests.kit.tiny_server work/tiny/verifier --port "$port" >work/tiny-server.log 2>&1 &
 server=$!; trap 'kill $server 2>/dev/null' EXIT
 until curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null; do sleep 0.5; done
 endpoint="http://127.0.0.1:$port/v1"

@@ -64,7 +64,7 @@ if [ "${REAL_SERVER:-vllm}" = vllm ] && [ -x "$VLLM_PY" ]; then
 else
   server_kind=tiny_server
   echo "== regeneration: no vLLM venv (./setup.sh --vllm), so draftline's EMULATION of vllm serve (tiny_server)" >&2
-  setsid "$PY" -m draftline.testing.tiny_server "$verifier" --port "$port" --served-model-name smollm2 \
+  setsid "$PY" -m tests.kit.tiny_server "$verifier" --port "$port" --served-model-name smollm2 \
     --max-batch "$BATCH" >"$W/server.log" 2>&1 &
 fi
 server=$!

@@ -23,8 +23,8 @@ def run(train_prompts: int = 128, eval_prompts: int = 16, new_tokens: int = 48, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftline.evaluation.chain import measure_chain, recommend_num_speculative_tokens
-    from draftline.testing import greedy
     from draftline.testing.tiny import make_tiny
+    from tests.kit import greedy
 
     torch.set_num_threads(1)
     demo = ROOT / "configs" / "demo" / "conversations.jsonl"

@@ -41,9 +41,9 @@ def run(counts=(1, 8, 32), mib: int = 16, versions: int = 4, every_s: float = 0.
     from mlflow.server import get_app_client
 
     from draftline.registry.promotion import promote
-    from draftline.testing import fleet
-    from draftline.testing.localserver import basic_auth, start_mlflow_server, stop
-    from draftline.testing.postgres import start_postgres
+    from tests.kit import fleet
+    from tests.kit.localserver import basic_auth, start_mlflow_server, stop
+    from tests.kit.postgres import start_postgres
 
     rounds = {}
     with tempfile.TemporaryDirectory(prefix="draftline-bench-fleet-", dir=os.environ.get("BENCH_TMP")) as tmp:
@@ -128,7 +128,7 @@ def _version_of(dest: Path, manifests: dict) -> str | None:
 
 def _round(client, uri: str, manifests: dict, n: int, root: Path, every_s: float, kind: str = "draftline") -> dict:
     from draftline.registry.stages import holders
-    from draftline.testing import fleet
+    from tests.kit import fleet
 
     first = holders(client, "fleet")["Production"]
     mover = fleet.Mover(client, "fleet", list(manifests), every_s=every_s).start()

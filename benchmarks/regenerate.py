@@ -1,4 +1,4 @@
-"""regenerate: conversations per second through ``draftline.testing.tiny_server`` with concurrent greedy
+"""regenerate: conversations per second through ``tests.kit.tiny_server`` with concurrent greedy
 requests batched into one ``generate`` call vs served one at a time, side by side in one run.
 
 The same prompts (the first MT-Bench questions, two user turns each, answered turn by turn; the demo
@@ -32,7 +32,7 @@ def _samples(n: int) -> tuple[list[dict], str]:
 def run(conversations: int = 24, max_tokens: int = 32, concurrency: int = 8, rounds: int = 2) -> dict:
     from draftline.data.regenerate import regenerate
     from draftline.testing.tiny import make_tiny
-    from draftline.testing.tiny_server import serve_in_thread
+    from tests.kit.tiny_server import serve_in_thread
 
     samples, source = _samples(conversations)
     with tempfile.TemporaryDirectory() as tmp:

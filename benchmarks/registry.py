@@ -17,7 +17,7 @@ lineage, i.e. what ``export`` uploads. Sides alternate in one run:
 - ``cp``: a local ``cp -r --reflink=never`` of the directory, for scale.
 
 ``--on disk`` puts the destinations and the cache in the benchmark's folder (``$BENCH_TMP``, ext4 here);
-``--on reflink`` on an XFS with reflink mounted for the run (``draftline.testing.reflink``; root and xfsprogs):
+``--on reflink`` on an XFS with reflink mounted for the run (``tests.kit.reflink``; root and xfsprogs):
 the server's store stays on disk either way. The download sides run in a rotating order in every repetition,
 and the summary gives each ratio as the median of the per-repetition ratios with their range (side by side in
 one repetition, so a machine that slows down between repetitions moves both sides).
@@ -59,7 +59,7 @@ def run(shape: str = "real", reps: int = 3, on: str = "disk") -> dict:
     with tempfile.TemporaryDirectory(prefix="draftline-bench-registry-", dir=os.environ.get("BENCH_TMP")) as tmp:
         if on == "disk":
             return _run(Path(tmp), Path(tmp), shape, reps, on)
-        from draftline.testing.reflink import reflink_mount
+        from tests.kit.reflink import reflink_mount
 
         with reflink_mount(Path(tmp) / "xfs", size="20G") as mnt:
             return _run(Path(tmp), mnt, shape, reps, on)
@@ -74,7 +74,7 @@ def _run(tmp: Path, where: Path, shape: str, reps: int, on: str) -> dict:  # noq
     from draftline.export.upload import CHECKSUMS, upload_with_checksums
     from draftline.registry import versions
     from draftline.registry.blobcache import clones
-    from draftline.testing.localserver import start_mlflow_server, stop
+    from tests.kit.localserver import start_mlflow_server, stop
 
     times: dict[str, list[float]] = {k: [] for k in
                                      ("mlflow_upload", "register", "mlflow_download", "pull_cold",

@@ -6,7 +6,7 @@ that lie beside the JSON, copied into ``docs/results/`` so that the manual serve
     python -m benchmarks.render_results --check   # exit 1 when either differs from what the JSON renders
 
 No figure is typed by hand: a benchmark rerun (``python -m benchmarks.run NAME``) rewrites its JSON, and this
-script the page. ``tests/unit/test_docs.py`` fails when the committed page and the JSON disagree.
+script the page. ``tests/unit/project/test_docs.py`` fails when the committed page and the JSON disagree.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ HEADER = """\
 Every figure on this page is rendered from the JSON files in `benchmarks/results/` by
 `python -m benchmarks.render_results`; nothing here is typed by hand. Rerun a benchmark
 (`python -m benchmarks.run NAME`), then the renderer; `python -m benchmarks.render_results --check` (run by
-`tests/unit/test_docs.py`) fails when this page and the JSON disagree.
+`tests/unit/project/test_docs.py`) fails when this page and the JSON disagree.
 
 What each benchmark compares and the target it is held to: [Benchmarks](benchmarks.md). How to read the real
 tier's figures: [A real verifier and the real tier](real-tier.md).

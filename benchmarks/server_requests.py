@@ -91,7 +91,7 @@ def _one(config: str, tmp: Path, pg, sequential: int, threads: int, per_thread: 
     from mlflow import MlflowClient
     from mlflow.server import get_app_client
 
-    from draftline.testing.localserver import basic_auth, start_mlflow_server, stop
+    from tests.kit.localserver import basic_auth, start_mlflow_server, stop
 
     root = tmp / config.replace("+", "-")
     store = pg.create_database(f"mlflow_{config.replace('+', '_')}") if config.startswith("postgres") else None
@@ -129,7 +129,7 @@ def _one(config: str, tmp: Path, pg, sequential: int, threads: int, per_thread: 
 
 
 def run(sequential: int = 40, threads: int = 8, per_thread: int = 10) -> dict:
-    from draftline.testing.postgres import start_postgres
+    from tests.kit.postgres import start_postgres
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="draftline-bench-requests-", dir=os.environ.get("BENCH_TMP")) as tmp:

@@ -2,7 +2,7 @@
 side in one run, on the same prompts and settings:
 
 - *regeneration*: ``draftline.data.regenerate.regenerate`` of the same prompts through a plain ``vllm serve``
-  (float32) and through ``draftline.testing.tiny_server`` (transformers, concurrent greedy requests batched):
+  (float32) and through ``tests.kit.tiny_server`` (transformers, concurrent greedy requests batched):
   replies/s and tokens/s, and how many replies are identical;
 - *decoding*: vLLM's tokens/s without the drafter and with it (k = 3), and its acceptance length from
   ``/metrics``; the speculative output must equal the plain output token for token (float32);
@@ -32,7 +32,7 @@ def _setup(shape: str, tmp: Path, drafter_dir: str | None, prompts_n: int):
 
     from draftline.data.conversations import load_conversations
     from draftline.drafter.loading import load_drafter
-    from draftline.testing import greedy
+    from tests.kit import greedy
 
     if shape == "tiny":
         from draftline.testing.tiny import make_tiny
@@ -67,7 +67,7 @@ def run(shape: str = "tiny", drafter_dir: str | None = None, prompts_n: int = 16
     from draftline.evaluation.loopback import save_for_vllm
     from draftline.evaluation.vllm_backend import generate_all, lossless_against, measure_vllm
     from draftline.serving.engine import ServeSpec, VllmServer
-    from draftline.testing.tiny_server import serve_in_thread
+    from tests.kit.tiny_server import serve_in_thread
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -106,7 +106,7 @@ def run(registered: str = "smollm2-gsm8k-drafter", version: str | None = None, o
     from mlflow import MlflowClient
 
     from draftline.registry.versions import model_id_of
-    from draftline.testing.localserver import start_mlflow_server, stop
+    from tests.kit.localserver import start_mlflow_server, stop
 
     name, client = registered, MlflowClient()
     versions = client.search_model_versions(f"name = '{name}'")

@@ -150,9 +150,9 @@ def workspace(tmp_path, monkeypatch, tiny):
     yield tmp_path
 
 
-from draftline.testing.localserver import basic_auth as _basic_auth  # noqa: E402
-from draftline.testing.localserver import start_mlflow_server as _start_server  # noqa: E402
-from draftline.testing.localserver import stop as _stop  # noqa: E402
+from tests.kit.localserver import basic_auth as _basic_auth  # noqa: E402
+from tests.kit.localserver import start_mlflow_server as _start_server  # noqa: E402
+from tests.kit.localserver import stop as _stop  # noqa: E402
 
 ADMIN = ("admin", "admin-password-for-tests-1")
 
@@ -181,7 +181,7 @@ def postgres():
     """A PostgreSQL cluster of its own (``initdb`` + ``pg_ctl`` in a temporary folder, loopback port). Skipped
     with the reason where the server is not installed, unless DRAFTLINE_REQUIRE_POSTGRES=1 (.ci/run sets it
     once it has installed PostgreSQL): then its absence fails the run."""
-    from draftline.testing.postgres import PostgresUnavailable, start_postgres
+    from tests.kit.postgres import PostgresUnavailable, start_postgres
 
     try:
         pg = start_postgres()
@@ -197,7 +197,7 @@ def postgres():
 def reflink_dir(tmp_path_factory):
     """A folder on a file system that clones (XFS with reflink on a loop device). Skipped with the reason where
     it cannot be made, unless DRAFTLINE_REQUIRE_REFLINK=1 (.ci/run sets it once it has installed xfsprogs)."""
-    from draftline.testing.reflink import ReflinkUnavailable, reflink_mount
+    from tests.kit.reflink import ReflinkUnavailable, reflink_mount
 
     try:
         with reflink_mount(tmp_path_factory.mktemp("reflink")) as mnt:
@@ -213,7 +213,7 @@ def small_disk(tmp_path):
     """A function that loop-mounts an ext4 disk of N bytes and returns its folder: a disk too small, or one
     that fills during a write, for real. Skipped with the reason where it cannot be mounted, unless
     DRAFTLINE_REQUIRE_SMALLFS=1 (.ci/run sets it where it can loop-mount as root)."""
-    from draftline.testing.smallfs import SmallFsUnavailable, small_filesystem
+    from tests.kit.smallfs import SmallFsUnavailable, small_filesystem
 
     with contextlib.ExitStack() as stack:
         def mount(size: int, name: str = "disk") -> Path:

@@ -10,7 +10,7 @@ from draftline.cli import cli
 from draftline.drafter.aux_ids import served_aux_fields
 
 from ..conftest import ADMIN
-from ..unit.test_registry import TAGS
+from ..unit.registry.test_registry import TAGS
 
 pytestmark = pytest.mark.integration
 

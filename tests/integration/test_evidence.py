@@ -2,7 +2,7 @@
 demo prompts answered by the tiny verifier through its OpenAI-compatible server), the tiny parent, a child that
 beats it (promoted) and a drafter worse than the version in Production (refused with the delta), each measured
 teacher-forced and by real chain speculative decoding, and the numbers on the versions' models. The rule
-against the parent failing is tested in unit/test_registry.py."""
+against the parent failing is tested in unit/registry/test_registry.py."""
 
 import json
 from pathlib import Path
@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from mlflow import MlflowClient
 
 from draftline.cli import cli
-from draftline.testing.tiny_server import serve_in_thread
+from tests.kit.tiny_server import serve_in_thread
 
 from ..conftest import DEMO
 

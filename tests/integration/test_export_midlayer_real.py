@@ -2,7 +2,7 @@
 
 import pytest
 
-from ..unit.test_export_midlayer import round_trip
+from ..unit.export.test_export_midlayer import round_trip
 
 pytestmark = pytest.mark.integration  # a 2.4 GB checkpoint written and read back: ~30 s
 

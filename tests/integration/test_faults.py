@@ -63,7 +63,7 @@ def pipeline(tiny, auth_server, tmp_path_factory):
     finished one-step finetune, run by USER with SECRETS in the environment."""
     from mlflow.server import get_app_client
 
-    from draftline.testing.tiny_server import serve_in_thread
+    from tests.kit.tiny_server import serve_in_thread
 
     root = tmp_path_factory.mktemp("faults")
     with pytest.MonkeyPatch.context() as mp:

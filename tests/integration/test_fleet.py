@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from draftline.testing import fleet
-from draftline.testing.localserver import start_mlflow_server, stop
+from tests.kit import fleet
+from tests.kit.localserver import start_mlflow_server, stop
 
 from ..conftest import as_admin
-from ..unit.test_promotion import agree
+from ..unit.registry.test_promotion import agree
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from draftline.drafter.aux_ids import served_aux_fields
 from draftline.export.upload import CHECKSUMS, sha256_manifest
 from draftline.util import manifest_digest
 
-from ..unit.test_registry import TAGS
+from ..unit.registry.test_registry import TAGS
 from .conftest import clean_env
 
 pytestmark = pytest.mark.integration

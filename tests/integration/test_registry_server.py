@@ -9,7 +9,7 @@ import threading
 import pytest
 from mlflow import MlflowClient
 
-from ..unit.test_registry import _version
+from ..unit.registry.test_registry import _version
 
 pytestmark = pytest.mark.integration
 

@@ -141,7 +141,7 @@ def test_evaluate_stopped_by_sigterm_logs_nothing_and_says_how_to_rerun(workspac
 
 @pytest.mark.timeout(900)  # a server stopped and restarted under a finetune: 1.5-3 min, in CI
 def test_a_tracking_server_outage_mid_run_loses_no_metric(workspace, prepared, tmp_path, monkeypatch):
-    from draftline.testing.localserver import start_mlflow_server, stop
+    from tests.kit.localserver import start_mlflow_server, stop
 
     root = tmp_path / "server"
     server, uri = start_mlflow_server(root)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftline.testing import greedy
+from tests.kit import greedy
 
 pytestmark = pytest.mark.integration
 

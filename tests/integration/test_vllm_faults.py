@@ -135,7 +135,7 @@ def test_a_server_that_lists_models_but_cannot_answer_leaves_no_run_and_no_folde
     from mlflow import MlflowClient
 
     from draftline.cli import cli
-    from draftline.testing.tiny_server import serve_in_thread
+    from tests.kit.tiny_server import serve_in_thread
 
     with serve_in_thread(tiny["verifier"], fail_after=0) as srv:  # lists its model, answers 503 to every request
         r = CliRunner().invoke(cli, ["prepare", "--conversations", str(PROMPTS), "--max-samples", "4",

@@ -1,7 +1,7 @@
 """The MLproject file, generated from the stages' typed settings so that every setting is an entry-point
 parameter and every default comes from the settings (an empty value means "unset").
 
-``python -m draftline.cli.mlproject > MLproject`` rewrites it; ``tests/unit/test_mlproject.py`` fails when the
+``python -m draftline.cli.mlproject > MLproject`` rewrites it; ``tests/unit/cli/test_mlproject.py`` fails when the
 committed file and the settings disagree.
 """
 

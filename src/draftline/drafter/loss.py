@@ -6,7 +6,7 @@ walk back through: the casts, ``log_softmax``'s backward, ``kl_div``'s (``xlogy`
 does the same in one pass, but not on a CPU. :func:`kl_div` is that one pass in PyTorch: per block of rows it
 computes ``log q`` and ``log p`` in float32, the per-position ``KL(p || q)``, and the gradient with respect to
 the draft logits, ``softmax(draft) - p``, which is all the backward needs (times the upstream weight of each
-position: mask, decay, mean). Same loss, same gradient, within float32 rounding (``tests/unit/test_loss.py``).
+position: mask, decay, mean). Same loss, same gradient, within float32 rounding (``tests/unit/drafter/test_loss.py``).
 
 The target side is the same at every draft position: speculators hands each position a slice of one target
 tensor (``targets[:, k:]``), so its log-probabilities are computed once per forward, for the whole tensor, and

@@ -1,3 +1,3 @@
-"""The test kit: a tiny verifier and parent built locally, and loopback servers (an OpenAI-compatible server for
-the tiny verifier, a real ``mlflow server``). For tests, benchmarks and the demo (``draftline make-tiny``);
-nothing else in draftline imports it (``tests/unit/test_architecture.py`` holds that)."""
+"""What ``draftline make-tiny`` builds: the tiny verifier and parent (``tiny``) and the Kimi-shaped tiny verifier
+(``kimi``, ``kimi_k25``, custom code in ``kimi_code/``). Only the CLI's ``stages`` imports it; the rest of the test
+kit (fake servers, fixtures) is ``tests/kit``, outside the product (``tests/unit/project/test_architecture.py``)."""

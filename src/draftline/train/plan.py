@@ -129,7 +129,7 @@ def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precisi
     mask: k x ((4 + b) x heads + 1) x T^2 for a pack that is one sample (the most; four samples keep a quarter),
     plus each later step's diagonal keys and values, b*2q * k(k-1)/2 per token. Checked on the CPU
     against the tensors autograd saves (``torch.autograd.graph.saved_tensors_hooks``) for a scaled-down drafter:
-    within 0.1% for sdpa and eager (tests/unit/test_plan.py). Not counted: gradients of activations during the
+    within 0.1% for sdpa and eager (tests/unit/train/test_plan.py). Not counted: gradients of activations during the
     backward (transient, one layer's worth at a time) and kernel workspaces; the margin covers them."""
     b = 2 if precision == "bf16" else 4
     h, i, v, d = shape["hidden_size"], shape["intermediate_size"], shape["draft_vocab_size"], shape["head_dim"]
