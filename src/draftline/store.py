@@ -112,15 +112,17 @@ def check_runs(refs: dict[str, str | None], *, finished: bool = True) -> None:
     from mlflow import MlflowClient  # noqa: PLC0415 (only where a run is named: MLflow takes ~2 s to load)
     from mlflow.exceptions import MlflowException  # noqa: PLC0415 (as above)
 
+    from draftline.mlflow_errors import absent, raise_failure  # noqa: PLC0415 (as above: it loads MLflow)
+
     client = MlflowClient(tracking_uri=uri)
     for flag, run_id in named.items():
         try:
             run = client.get_run(run_id)
         except MlflowException as e:
-            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            if absent(e):
                 raise DataError(f"{flag}: run {run_id} does not exist in {uri}: pass the run id the stage "
                                 "printed (`draftline list` and the MLflow UI show them)") from None
-            raise
+            raise_failure(e, f"read run {run_id} ({flag})", "READ permission on the run's experiment")
         if finished and run.info.status != "FINISHED":
             step = run.data.tags.get("draftline.step", "its stage")
             raise DataError(f"{flag}: run {run_id} ({step}) is {run.info.status}, not FINISHED: rerun or resume "

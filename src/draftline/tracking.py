@@ -15,11 +15,13 @@ from pathlib import Path
 import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Param
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import fluent
 
 from draftline import environment
 from draftline.console import say
 from draftline.errors import DataError, Interrupted, TrackingError
+from draftline.mlflow_errors import denied, exists, refusal
 from draftline.store import check_reachable, require_store, tracking_uri
 
 EXPERIMENT_ENV = environment.EXPERIMENT.name
@@ -52,18 +54,28 @@ def setup(experiment: str | None = None, *, select_experiment: bool = True) -> s
             name = experiment or environment.EXPERIMENT.get()
             try:
                 exp = mlflow.set_experiment(name)
-            except Exception:  # noqa: BLE001  (another process created it a moment ago: take theirs)
+            except MlflowException as e:  # another process created it a moment ago: take theirs
+                if not exists(e):
+                    raise
                 exp = mlflow.set_experiment(name)
             if "mlflow.experimentKind" not in exp.tags:  # the UI opens a training experiment on its runs
-                try:
-                    client().set_experiment_tag(exp.experiment_id, "mlflow.experimentKind",
-                                                             "custom_model_development")
-                except Exception:  # noqa: BLE001  (set by a process starting beside us; else it is a real error)
-                    if "mlflow.experimentKind" not in client().get_experiment(exp.experiment_id).tags:
-                        raise
-    except Exception as e:  # noqa: BLE001
+                _tag_experiment_kind(exp.experiment_id)
+    except MlflowException as e:
+        if denied(e):
+            raise refusal(e, f"use experiment {experiment or environment.EXPERIMENT.get()}",
+                          "EDIT permission on that experiment (or the right to create it)") from None
         raise TrackingError(f"cannot use the experiment on {uri}: {e}") from None
     return uri
+
+
+def _tag_experiment_kind(experiment_id: str) -> None:
+    """Mark the experiment as a training one (the UI opens it on its runs); a user who may only read it is not
+    stopped by that: the tag is the UI's convenience, and the runs it cannot create are refused where they are."""
+    try:
+        client().set_experiment_tag(experiment_id, "mlflow.experimentKind", "custom_model_development")
+    except MlflowException as e:
+        if not denied(e) and "mlflow.experimentKind" not in client().get_experiment(experiment_id).tags:
+            raise  # not a process starting beside us that set it first: a real error
 
 
 def experiment_id() -> str:
@@ -105,7 +117,9 @@ def stage_run(step: str, run_name: str | None = None, tags: dict[str, str] | Non
     try:
         run = mlflow.start_run(run_id=run_id, run_name=None if resuming else run_name,
                                nested=mlflow.active_run() is not None, log_system_metrics=system_metrics or None)
-    except Exception as e:  # noqa: BLE001
+    except MlflowException as e:
+        if denied(e):
+            raise refusal(e, f"start the {step} run", "EDIT permission on the experiment it logs to") from None
         raise TrackingError(f"cannot start the {step} run on {tracking_uri()}: {e}") from None
     mlflow.set_tags({"draftline.step": step, **(tags or {})})
     try:
@@ -128,8 +142,9 @@ def end_run(status: str, wait_s: float | None = None) -> None:
         mlflow.end_run(status=status)  # pops the run, then tells the server
         return
     except Exception:  # noqa: BLE001 (the server is away: the run is popped; keep telling it)
-        with contextlib.suppress(Exception):
-            fluent.run_id_to_system_metrics_monitor.pop(run_id).finish()
+        monitor = fluent.run_id_to_system_metrics_monitor.pop(run_id, None)  # its thread would log on
+        if monitor is not None:
+            monitor.finish()
     wait_s = environment.TRACKING_WAIT_S.get() if wait_s is None else wait_s
     deadline, delay = time.monotonic() + wait_s, 1.0
     say(f"the tracking server is unreachable; retrying to mark run {run_id} {status} for up to "
@@ -184,6 +199,8 @@ def download(uri: str, dest: Path | None = None) -> Path:
     """Download an MLflow artifact URI (``runs:/``, ``models:/``...) and return the local path."""
     try:
         local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dest) if dest else None)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 (MLflow's, requests' or the disk's: one line either way)
+        if denied(e):
+            raise refusal(e, f"download {uri}", "READ permission on the run's experiment (or the model)") from None
         raise DataError(f"cannot download {uri}: {e}") from None
     return Path(local)

@@ -10,10 +10,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from mlflow.exceptions import MlflowException
+
 from draftline import tracking
 from draftline.config import work_dir
 from draftline.data.inputs import MANIFEST, REMOTE_PREFIXES, check_data_ref
 from draftline.errors import DataError
+from draftline.mlflow_errors import absent, raise_failure
 from draftline.tracking import download, parse_run_ref
 
 
@@ -53,8 +56,10 @@ def _require_finished(ref: str) -> None:
     run_id = parse_run_ref(ref)[0]
     try:
         run = tracking.client().get_run(run_id)
-    except Exception:  # noqa: BLE001 (the download below names a missing run)
-        return
+    except MlflowException as e:
+        if absent(e):
+            return  # the download below names the missing run
+        raise_failure(e, f"read prepare run {run_id}", "READ permission on its experiment")
     if run.info.status != "FINISHED":
         raise DataError(f"data {ref}: prepare run {run_id} is {run.info.status}, not FINISHED; rerun that prepare "
                         "(same inputs: it resumes) and pass the data_uri it prints")

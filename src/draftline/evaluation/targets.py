@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from mlflow.exceptions import MlflowException
 
 from draftline import tracking
 from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
@@ -19,6 +20,7 @@ from draftline.drafter.loading import load_drafter as load
 from draftline.drafter.model import LAYER_FILE
 from draftline.drafter.parents import resolve_init
 from draftline.errors import DataError
+from draftline.mlflow_errors import absent, raise_failure
 from draftline.registry import lineage
 from draftline.tracking import parse_run_ref
 from draftline.util import files_digest
@@ -48,7 +50,9 @@ def _finetune_run(client, ref: str):
         return None
     try:
         run = client.get_run(run_id)
-    except Exception:  # noqa: BLE001
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"read run {run_id} (--target)", "READ permission on its experiment")
         raise DataError(f"target {ref}: run {run_id} does not exist on this tracking server") from None
     if run.data.tags.get("draftline.step") != "finetune" or run.info.status != "FINISHED":
         raise DataError(f"target {ref} is not a finished finetune run (step {run.data.tags.get('draftline.step')}, "

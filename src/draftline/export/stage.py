@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import mlflow
+from mlflow.exceptions import MlflowException
 
 from draftline import tracking
 from draftline.config import ExportConfig
@@ -27,6 +28,7 @@ from draftline.export.midlayer import check_reload, write_midlayer
 from draftline.export.rebuild import build_trained_model, local_verifier
 from draftline.export.upload import upload_with_checksums
 from draftline.export.validate import check_in_vllm, validate
+from draftline.mlflow_errors import absent, raise_failure
 from draftline.registry import lineage as lin
 from draftline.registry import versions
 from draftline.registry.evidence import RECOMMENDED_K, RECOMMENDED_K_MEASURED
@@ -68,7 +70,9 @@ def _finished_finetune(client, ref: str):
     ft_id = tracking.parse_run_ref(ref)[0]
     try:
         ft = client.get_run(ft_id)
-    except Exception:  # noqa: BLE001
+    except MlflowException as e:
+        if not absent(e):
+            raise_failure(e, f"read finetune run {ft_id}", "READ permission on its experiment")
         raise DataError(f"finetune run {ft_id} does not exist on {tracking.tracking_uri()}") from None
     if ft.info.status != "FINISHED" or ft.data.tags.get("draftline.step") != "finetune":
         raise DataError(f"run {ft_id} is not a finished finetune run (status {ft.info.status}, step "

@@ -21,7 +21,7 @@ import mlflow
 from mlflow.exceptions import MlflowException
 
 from draftline import tracking
-from draftline.registry.mlflow_errors import absent, raise_failure
+from draftline.mlflow_errors import absent, raise_failure
 
 PER_PROMPT_FILE = "per_prompt.jsonl"
 DEFAULT_RESAMPLES = 2000

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from mlflow.exceptions import MlflowException
 
 from draftline.errors import RegistryError
+from draftline.mlflow_errors import absent, raise_failure
 from draftline.registry.confidence import read_per_prompt
-from draftline.registry.mlflow_errors import absent, raise_failure
 from draftline.registry.versions import model_id_of, resolve_version
 
 MEASURED = "eval/measured/acceptance_length"

@@ -17,8 +17,8 @@ from mlflow.exceptions import MlflowException
 
 from draftline.console import say
 from draftline.errors import DraftlineError, RegistryError
+from draftline.mlflow_errors import absent, denied, mlflow_error, raise_failure, unavailable
 from draftline.registry.evidence import evidence_for
-from draftline.registry.mlflow_errors import absent, denied, mlflow_error, raise_failure, unavailable
 from draftline.registry.policies import evaluate, load_policy, policy_path
 from draftline.registry.retry import retrying
 from draftline.registry.stages import ALIASES, holders, move_stage, now, promotion_lock, stage_splits, sync_stages

@@ -1,5 +1,5 @@
 """Riding out a tracking server that restarts: the loop that tries again while the server is unavailable
-(:func:`~draftline.registry.mlflow_errors.unavailable` says which failures those are).
+(:func:`~draftline.mlflow_errors.unavailable` says which failures those are).
 
 MLflow's HTTP client already retries each request a few times (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, with
 back-off), which covers a blip, not a server restart (tens of seconds here), and never a download cut off in
@@ -18,7 +18,7 @@ import time
 
 from draftline import environment
 from draftline.errors import ServerUnavailable
-from draftline.registry.mlflow_errors import unavailable
+from draftline.mlflow_errors import unavailable
 
 log = logging.getLogger(__name__)
 RETRY_ENV = environment.RETRY_S.name

@@ -30,7 +30,7 @@ from mlflow.exceptions import MlflowException
 from draftline import environment
 from draftline.console import say
 from draftline.errors import RegistryError
-from draftline.registry.mlflow_errors import (
+from draftline.mlflow_errors import (
     absent,
     alias_unset,
     error_code,

@@ -32,8 +32,8 @@ from tqdm.auto import tqdm
 
 from draftline.console import bar_kwargs
 from draftline.errors import DraftlineError, VerificationError
+from draftline.mlflow_errors import absent, raise_failure, unavailable
 from draftline.registry.blobcache import BlobCache, clone_or_copy, scratch_prefix, sweep_scratch
-from draftline.registry.mlflow_errors import absent, raise_failure, unavailable
 from draftline.registry.retry import retrying
 from draftline.util import atomic_write_text, file_sha256, manifest_digest
 

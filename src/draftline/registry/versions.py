@@ -24,8 +24,7 @@ from mlflow.utils.validation import MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
 
 from draftline.errors import RegistryError, VerificationError
 from draftline.kinds import layer_kind
-from draftline.registry.blobcache import BlobCache
-from draftline.registry.mlflow_errors import (
+from draftline.mlflow_errors import (
     absent,
     alias_unset,
     denied,
@@ -36,6 +35,7 @@ from draftline.registry.mlflow_errors import (
     registry_uri,
     unknown_model_hint,
 )
+from draftline.registry.blobcache import BlobCache
 from draftline.registry.retry import retrying
 from draftline.registry.stages import STAGES, resolve_stage
 from draftline.registry.transfer import fetch_directory
@@ -86,6 +86,26 @@ def describe(lineage: dict) -> str:
     return (f"EAGLE-3 drafter for {lineage.get('verifier.name_or_path')}, finetuned from {origin} on data "
             f"{lineage.get('data.digest', '?')[:12]} (vocab {lineage.get('vocab.policy')}); finetune run "
             f"{lineage.get('finetune.run_id')}.")
+
+
+def check_may_register(client, name: str) -> None:
+    """Refuse, before an export does any work, a user who may not add a version to ``name``. A model that does
+    not exist yet is any user's to create. One that exists is written with its own description again: MLflow's
+    basic-auth asks the same EDIT permission for that as for a new version, and it has no way to ask for a
+    permission without using it (only the model's last-updated time moves)."""
+    try:
+        model = client.get_registered_model(name)
+    except MlflowException as e:
+        if absent(e):
+            return
+        raise_failure(e, f"register a version of {name}", f"READ and EDIT permission on registered model {name}")
+    try:
+        client.update_registered_model(name, description=model.description or "")
+    except MlflowException as e:
+        if denied(e):
+            raise refusal(e, f"register a version of {name}", f"EDIT permission on registered model {name}") \
+                from None
+        raise_failure(e, f"register a version of {name}", f"EDIT permission on registered model {name}")
 
 
 def register(client, name: str, *, model_id: str, run_id: str, tags: dict[str, str], description: str,

@@ -7,9 +7,9 @@ from mlflow.exceptions import MlflowException
 
 from draftline.console import say
 from draftline.errors import RegistryError
+from draftline.mlflow_errors import absent, mlflow_error, raise_failure, registry_uri, unknown_model_hint
 from draftline.registry.evidence import HIGH_LOW, MEASURED, PROMPTS, evaluations_of, on_set
 from draftline.registry.lineage import HEADLINE_METRICS, VERSION_TAG_PARAMS
-from draftline.registry.mlflow_errors import absent, mlflow_error, raise_failure, registry_uri, unknown_model_hint
 from draftline.registry.policies import policy_set
 from draftline.registry.stages import LOCK_SUFFIX, stage_splits
 from draftline.registry.versions import model_id_of, resolve_version

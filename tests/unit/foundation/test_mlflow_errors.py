@@ -22,17 +22,22 @@ from mlflow.protos.databricks_pb2 import (
 from mlflow.utils.rest_utils import verify_rest_response
 
 from draftline.errors import RegistryError, ServerUnavailable, TrackingError
+from draftline.mlflow_errors import absent, alias_unset, denied, exists, unavailable
 from draftline.registry import confidence, evidence, stages, versions
-from draftline.registry.mlflow_errors import absent, alias_unset, denied, exists, unavailable
 from draftline.registry.retry import retrying
 from draftline.util import free_port
 
-REGISTRY = Path(__file__).resolve().parents[3] / "src" / "draftline" / "registry"
+SRC = Path(__file__).resolve().parents[3] / "src" / "draftline"
+# the registry's modules, and the foundation's that talk to MLflow
+READERS = [*sorted((SRC / "registry").glob("*.py")), SRC / "tracking.py", SRC / "store.py", SRC / "mlflow_errors.py"]
 JUDGES = {"absent", "alias_unset", "exists", "denied", "unavailable", "error_code", "raise_failure"}
 # where a registry module may catch any failure, and why
 ANY_FAILURE = {
     ("retry.py", "retrying"),  # every failure is judged there: only the server's absence is tried again
     ("stages.py", "promotion_lock"),  # deleting the lock after a change: a failure is only said (a warning)
+    ("tracking.py", "end_run"),  # the server is away at a run's end: it is told again until it answers
+    ("tracking.py", "stage_run"),  # a stage that raises: its run is marked FAILED and the error raised again
+    ("tracking.py", "download"),  # MLflow's, requests' or the disk's failure: a refusal said, else one line
 }
 # where an MlflowException is caught and answered without asking its code
 UNJUDGED = {
@@ -95,10 +100,10 @@ def _misreadings(source: str, module: str) -> list[str]:
     return wrong
 
 
-def test_no_registry_module_reads_any_failure_as_absent():
-    """A 403, a 500, a bug: none of them means "not there". Only ``retry.retrying`` and the lock's clean-up catch
-    any failure; every ``except MlflowException`` raises or asks its code (mlflow_errors)."""
-    wrong = [w for path in sorted(REGISTRY.glob("*.py")) for w in _misreadings(path.read_text(), path.name)]
+def test_no_registry_or_tracking_module_reads_any_failure_as_absent():
+    """A 403, a 500, a bug: none of them means "not there". Only ``retry.retrying``, the lock's clean-up and a
+    run's end catch any failure; every ``except MlflowException`` raises or asks its code (mlflow_errors)."""
+    wrong = [w for path in READERS for w in _misreadings(path.read_text(), path.name)]
     assert wrong == [], "\n".join(wrong)
 
 
