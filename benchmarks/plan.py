@@ -32,11 +32,11 @@ def run(gpus: int = 8, tokens_per_batch: int = 4096, ttt_steps: int = 3) -> dict
     t0 = time.perf_counter()
     make_plan(gpus=1, gpu_memory_gib=None)  # imports (speculators, DeepSpeed) once
     t1 = time.perf_counter()
-    plans = {layer: make_plan(layer=layer, gpus=gpus, tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps)
-             for layer in ("llama", "mla")}
+    plans = {layer: make_plan(layer=layer, gpus=gpus, tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps,
+                              epochs=1.0) for layer in ("llama", "mla")}
     seconds = (time.perf_counter() - t1) / 2
     nvlink = {layer: make_plan(layer=layer, gpus=gpus, tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps,
-                               link="nvlink") for layer in ("llama", "mla")}
+                               epochs=1.0, link="nvlink") for layer in ("llama", "mla")}
     summary = {}
     for layer, plan in plans.items():
         name = "Llama layer (Kimi-K2)" if layer == "llama" else "MLA layer (Kimi-K2.5)"

@@ -15,6 +15,7 @@ import sys
 import typing
 
 import click
+import pydantic
 
 from draftline import console, environment
 from draftline.config import check_model_name, load_file, resolve
@@ -153,32 +154,83 @@ def _require(model, f):
     return checked
 
 
+def _field_options(model, name: str, f):
+    """Decorate ``f`` with the option of settings field ``name`` of ``model`` (``--kebab-name``): click's type,
+    pydantic's bounds and the default shown in the help, the description as its help."""
+    field = model.model_fields[name]
+    flag = _flag(name)
+    default = None if field.is_required() else field.default
+    help_ = (field.description or "") + _bounds(field) + (
+        f"  [default: {default}]" if default not in (None, "") else "") + (
+        "  [required]" if field.is_required() else "")
+    if field.annotation is bool:
+        # `--log-shards`, `--no-log-shards`, or a value (`--log-shards false`, as MLproject passes it)
+        f = click.option(f"--no-{name.replace('_', '-')}", f"no_{name}", is_flag=True, default=False,
+                         hidden=True)(f)
+        return click.option(flag, name, type=_click_type(bool), is_flag=False, flag_value="true", default=None,
+                            help=help_, metavar="[true|false]")(f)
+    # typed by click, bounded by pydantic: an empty value (MLproject's "unset") means the default
+    return click.option(flag, name, type=_click_type(field.annotation), default=None, help=help_,
+                        metavar=_metavar(field.annotation))(f)
+
+
 def settings_options(model):
     """Decorate a command with one option per settings field (``--kebab-name``), help from the description.
     A setting without a default is marked ``[required]`` and checked before the command runs."""
 
     def decorate(f):
         f = _require(model, f)
-        for name, field in reversed(list(model.model_fields.items())):
-            flag = _flag(name)
-            default = None if field.is_required() else field.default
-            help_ = (field.description or "") + _bounds(field) + (
-                f"  [default: {default}]" if default not in (None, "") else "") + (
-                "  [required]" if field.is_required() else "")
-            if field.annotation is bool:
-                # `--log-shards`, `--no-log-shards`, or a value (`--log-shards false`, as MLproject passes it)
-                f = click.option(f"--no-{name.replace('_', '-')}", f"no_{name}", is_flag=True, default=False,
-                                 hidden=True)(f)
-                f = click.option(flag, name, type=_click_type(bool), is_flag=False, flag_value="true", default=None,
-                                 help=help_, metavar="[true|false]")(f)
-            else:
-                # typed by click, bounded by pydantic: an empty value (MLproject's "unset") means the default
-                f = click.option(flag, name, type=_click_type(field.annotation), default=None, help=help_,
-                                 metavar=_metavar(field.annotation))(f)
+        for name in reversed(list(model.model_fields)):
+            f = _field_options(model, name, f)
         return click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
                             help="YAML file of settings (flags override it).")(f)
 
     return decorate
+
+
+def shared_settings(model, *names: str):
+    """The options ``names`` of the stage settings ``model``, declared once there and taken as they are by
+    another command (``plan`` takes finetune's): the same flag, type, bounds, default and help. Each value is
+    checked by the stage's own field (a bad one is click's one-line usage error) and reaches the command
+    resolved: unset is the stage's default."""
+
+    def decorate(f):
+        @functools.wraps(f)
+        def resolved(*args, **kwargs):
+            for name in names:
+                kwargs[name] = _field_value(model, name, kwargs.get(name))
+            return f(*args, **kwargs)
+
+        g = resolved
+        for name in reversed(names):
+            g = _field_options(model, name, g)
+        return g
+
+    return decorate
+
+
+def _field_value(model, name: str, value):
+    field = model.model_fields[name]
+    if value in (None, "") and field.is_required():
+        raise click.UsageError(f"Missing option '{_flag(name)}'.", ctx=click.get_current_context())
+    if value in (None, ""):
+        return field.default
+    try:
+        return getattr(_one_field(model, name)(**{name: value}), name)
+    except pydantic.ValidationError as e:
+        raise click.BadParameter(e.errors()[0]["msg"], param_hint=f"'{_flag(name)}'") from None
+
+
+@functools.cache
+def _one_field(model, name: str) -> type[pydantic.BaseModel]:
+    """A model of ``model``'s field ``name`` alone, with the field validators the stage's model runs on it (the
+    registered model's name rule, ...): the value is checked once, as the stage checks it."""
+    field = model.model_fields[name]
+    validators = {key: pydantic.field_validator(name, mode=dec.info.mode)(classmethod(getattr(dec.func, "__func__",
+                                                                                                dec.func)))
+                  for key, dec in model.__pydantic_decorators__.field_validators.items() if name in dec.info.fields}
+    return pydantic.create_model(f"{model.__name__}.{name}", __validators__=validators,  # type: ignore[call-overload]
+                                 **{name: (field.annotation, field)})
 
 
 @contextlib.contextmanager

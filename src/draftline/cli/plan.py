@@ -7,26 +7,30 @@ import json
 
 import click
 
-from draftline.cli.common import _stdout_to_stderr, cli
+from draftline.cli.common import _stdout_to_stderr, cli, shared_settings
+from draftline.config import FinetuneConfig
 from draftline.data.storage import DEFAULT_SAMPLES, DEFAULT_TOKENS_PER_SAMPLE
 from draftline.train import phases
 from draftline.train.interconnect import DEFAULT_GPU, DEFAULT_GPU_MEMORY_GIB, DEFAULT_TFLOPS, LINKS
 
+# finetune's own settings, as it declares them: the plan is of the run `finetune` with the same flags would launch
+SHARED = ("drafter_layer", "draft_vocab_size", "tokens_per_batch", "ttt_steps", "precision", "attn_impl", "steps",
+          "epochs")
+
 
 @cli.command()
+@shared_settings(FinetuneConfig, *SHARED)
 @click.option("--drafter", default=None, type=click.Path(exists=True),
               help="Drafter directory or its config.json (speculators, SpecForge or vLLM's MLA layout) "
                    "[default: the real Kimi drafter of --drafter-layer].")
-@click.option("--drafter-layer", type=click.Choice(["llama", "mla"]), default="llama", show_default=True,
-              help="Without --drafter: llama plans AQ-MedAI's Kimi-K2 drafter (one Llama layer, draft vocab 32000); "
-                   "mla lightseek's Kimi-K2.5 one (one DeepSeek-V3 MLA layer, the full 163,840-token vocabulary).")
 @click.option("--verifier", default=None, type=click.Path(exists=True),
               help="The verifier's directory or config.json (Kimi-K2.5's kimi_k25 wrapper included; read as JSON, no "
                    "custom code run): the shards are sized from its hidden size, checked against the drafter's.")
-@click.option("--draft-vocab-size", type=click.IntRange(2), default=None,
-              help="Without --drafter: a draft vocabulary of this many tokens instead of the drafter's own.")
-@click.option("--gpus", type=click.IntRange(1), default=8, show_default=True, help="GPUs per node.")
-@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True, help="Nodes.")
+@click.option("--gpus", type=click.IntRange(1), default=8, show_default=True,
+              help="GPUs per node of the machines planned for (finetune's --gpus counts the ranks it launches on "
+                   "the node it runs on, 0 for all of them: a plan is made where those GPUs are not).")
+@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True,
+              help="Nodes (finetune's --nnodes).")
 @click.option("--gpu-memory-gib", type=click.FloatRange(0, min_open=True), default=DEFAULT_GPU_MEMORY_GIB,
               show_default=True, help=f"Memory per GPU (the default: {DEFAULT_GPU}; 180: B200; 141: H200).")
 @click.option("--interconnect", "link", type=click.Choice(sorted(LINKS)), default="pcie", show_default=True,
@@ -43,24 +47,14 @@ from draftline.train.interconnect import DEFAULT_GPU, DEFAULT_GPU_MEMORY_GIB, DE
 @click.option("--tokens-per-sample", type=click.IntRange(1), default=DEFAULT_TOKENS_PER_SAMPLE, show_default=True,
               help="Tokens a sample, assumed (Kimi-K2.5 answers with its reasoning: 2,000-4,000); prepare "
                    "measures them from the conversations.")
-@click.option("--tokens-per-batch", type=click.IntRange(1), default=4096, show_default=True,
-              help="Packed tokens per rank per step.")
-@click.option("--ttt-steps", type=click.IntRange(1, 16), default=3, show_default=True,
-              help="Test-time-training steps (draft positions).")
-@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
-              help="Training precision.")
-@click.option("--attn-impl", type=click.Choice(["sdpa", "eager", "simple_flex_attention", "blockwise"]),
-              default="sdpa", show_default=True,
-              help="Attention the drafter trains with (finetune's auto: sdpa on GPUs, blockwise on CPUs).")
 @click.option("--margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
               help="Share of GPU memory kept free for what is not modelled (CUDA context, NCCL, fragmentation).")
 @click.option("--zero-stage", type=click.IntRange(0, 3), default=None,
-              help="The stage you will train with: exit 1 when it does not fit.")
+              help="The stage you will train with (finetune's --zero-stage): exit 1 when it does not fit "
+                   "[default: every stage compared and the one to use picked].")
 @click.option("--data", default=None,
               help="A prepared data set (runs:/<prepare run>/data or its folder): its measured tokens a sample and "
                    "generated tokens a reply replace --tokens-per-sample's assumption.")
-@click.option("--epochs", type=click.FloatRange(0, 1000, min_open=True), default=1.0, show_default=True,
-              help="Passes over the data (finetune --epochs): the training phase's steps.")
 @click.option("--regenerate-tokens-per-s", type=click.FloatRange(0, min_open=True),
               default=phases.Assumptions.regenerate_tokens_per_s, show_default=True,
               help="The serving endpoint's aggregate decode rate while it answers the prompts (vLLM's "
@@ -73,15 +67,21 @@ from draftline.train.interconnect import DEFAULT_GPU, DEFAULT_GPU_MEMORY_GIB, DE
 @click.option("--verifier-gb", type=click.FloatRange(0, min_open=True), default=phases.Assumptions.verifier_gb,
               show_default=True, help="The verifier's checkpoint size, read at each vLLM start (Kimi-K2.5: 554).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def plan(drafter, drafter_layer, verifier, draft_vocab_size, gpus, nodes, gpu_memory_gib, link, link_gb_s, gpu_tflops, samples,
-         tokens_per_sample, tokens_per_batch, ttt_steps, precision, attn_impl, margin, zero_stage, data, epochs,
-         regenerate_tokens_per_s, capture_tokens_per_s, disk_gb_s, verifier_gb, as_json):
+def plan(drafter, drafter_layer, verifier, draft_vocab_size, gpus, nodes, gpu_memory_gib, link, link_gb_s, gpu_tflops,
+         samples, tokens_per_sample, tokens_per_batch, ttt_steps, precision, attn_impl, margin, zero_stage, data,
+         steps, epochs, regenerate_tokens_per_s, capture_tokens_per_s, disk_gb_s, verifier_gb, as_json):
     """What finetuning a drafter takes, before anything is launched: GPU memory per ZeRO stage (exact parameter
     counts on the meta device, DeepSpeed's model-state estimators, an activation estimate) and whether each stage
     fits; what each stage sends over the interconnect per step beside the compute, and the stage to use; and
     the disk the prepared shards will take."""
     from draftline.train import plan as planning
 
+    # finetune's "auto", as it resolves on GPUs: bf16, sdpa, and for a drafter not given the verifier's attention
+    # (MLA for Kimi-K2.5, the mission's, when no --verifier says otherwise)
+    precision = "bf16" if precision == "auto" else precision
+    attn_impl = "sdpa" if attn_impl == "auto" else attn_impl
+    if drafter_layer == "auto":
+        drafter_layer = "mla" if verifier is None or planning.verifier_uses_mla(verifier) else "llama"
     reply_tokens = None
     if data:
         samples, tokens_per_sample, reply_tokens = measured_lengths(data, samples)
@@ -94,7 +94,7 @@ def plan(drafter, drafter_layer, verifier, draft_vocab_size, gpus, nodes, gpu_me
                                  attn_impl=attn_impl, margin=margin, zero_stage=zero_stage, layer=drafter_layer,
                                  draft_vocab_size=draft_vocab_size, link=link, link_gb_s=link_gb_s,
                                  gpu_tflops=gpu_tflops, samples=samples, tokens_per_sample=tokens_per_sample,
-                                 verifier=verifier, epochs=epochs, reply_tokens=reply_tokens, assumptions=assumed)
+                                 verifier=verifier, epochs=epochs, steps=steps, reply_tokens=reply_tokens, assumptions=assumed)
     click.echo(json.dumps(out, indent=2) if as_json else render_plan(out))
     if zero_stage is not None:
         planning.check(out, zero_stage)

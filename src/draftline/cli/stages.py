@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, model_name, settings_options
+from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, settings_options, shared_settings
 from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig, shipped, suggest
 from draftline.data.inputs import check_data_ref, read_inputs
 from draftline.serving.verifiers import CATALOG as VERIFIERS
@@ -127,18 +127,20 @@ def export(config_file, **flags):
     cfg = _settings(ExportConfig, config_file, flags)  # names and values refused before the stage loads
     check_runs({"--run": cfg.run})  # a finetune that finished: its drafter was handed on
     check_store(read_only=False)
+    from draftline import tracking
+    from draftline.registry.versions import check_may_register
+
+    tracking.setup()
+    check_may_register(tracking.client(), cfg.registered_model)  # refused before minutes of work, not after
     from draftline.export.stage import run
 
     _result(run, cfg)
 
 
 @cli.command("main")
-@click.option("--conversations", required=True, help="Conversations file for prepare.")
-@click.option("--verifier", required=True, help="Verifier directory or cached repo id.")
-@click.option("--init", default=FinetuneConfig.model_fields["init"].default, show_default=True,
-              help="Parent drafter (see finetune --help).")
-@click.option("--registered-model", default=ExportConfig.model_fields["registered_model"].default, show_default=True,
-              callback=model_name, help=ExportConfig.model_fields["registered_model"].description)
+@shared_settings(PrepareConfig, "conversations", "verifier")  # each stage's own declaration, as its command has it
+@shared_settings(FinetuneConfig, "init")
+@shared_settings(ExportConfig, "registered_model")
 @click.option("--set", "overrides", multiple=True, metavar="STEP.KEY=VALUE",
               help="Extra entry-point parameter, e.g. finetune.steps=20 (repeatable).")
 @click.option("--no-cache", is_flag=True, help="Rerun every step even if a matching finished run exists.")

@@ -42,11 +42,12 @@ def vllm_start_s(a: Assumptions) -> float:
     return a.verifier_gb / a.verifier_load_gb_s + a.vllm_start_overhead_s
 
 
-def phases(*, samples: int, tokens_per_sample: int, reply_tokens: int, epochs: float, gpus: int, nodes: int,
-           tokens_per_batch: int, step_s: float | None, bytes_per_token: int,
+def phases(*, samples: int, tokens_per_sample: int, reply_tokens: int, epochs: float | None, gpus: int, nodes: int,
+           tokens_per_batch: int, step_s: float | None, bytes_per_token: int, steps: int = 200,
            assumptions: Assumptions = Assumptions()) -> dict:
-    """Each phase's time, nodes and disk bandwidth, and the training's steps (``epochs`` passes over
-    ``samples`` x ``tokens_per_sample`` tokens, ``gpus`` x ``nodes`` ranks packing ``tokens_per_batch`` each)."""
+    """Each phase's time, nodes and disk bandwidth, and the training's steps: ``epochs`` passes over ``samples``
+    x ``tokens_per_sample`` tokens, ``gpus`` x ``nodes`` ranks packing ``tokens_per_batch`` each, or (``epochs``
+    None) ``steps``, as finetune counts them."""
     a = assumptions
     start = vllm_start_s(a)
     tokens = samples * tokens_per_sample
@@ -55,7 +56,10 @@ def phases(*, samples: int, tokens_per_sample: int, reply_tokens: int, epochs: f
     capture_rate = min(a.capture_tokens_per_s, a.disk_gb_s * 1e9 / bytes_per_token)
     capture_s = start + tokens / capture_rate
     ranks = gpus * nodes
-    steps = max(1, math.ceil(epochs * tokens / (ranks * tokens_per_batch)))
+    if epochs is None:
+        epochs = steps * ranks * tokens_per_batch / tokens
+    else:
+        steps = max(1, math.ceil(epochs * tokens / (ranks * tokens_per_batch)))
     read_per_step = ranks * tokens_per_batch * bytes_per_token
     step = step_s if step_s else 0.0
     train_read = read_per_step / step / 1e9 if step else 0.0  # at the GPUs' pace (unknown without their TFLOP/s)
@@ -70,7 +74,7 @@ def phases(*, samples: int, tokens_per_sample: int, reply_tokens: int, epochs: f
               f"{bytes_per_token:,} bytes a token"),
         Phase("training", steps * step_taken, f"{nodes} node(s) x {gpus} GPUs (the drafter only, no verifier)",
               train_read, step_taken > step,
-              f"{steps:,} steps ({epochs:g} epoch(s)) of {step_taken * 1e3:.0f} ms, each reading "
+              f"{steps:,} steps ({epochs:.3g} epoch(s)) of {step_taken * 1e3:.0f} ms, each reading "
               f"{read_per_step / 1e9:.1f} GB of shards"),
         Phase("evaluation", eval_s, "a node holding the verifier and the drafter (as capture)", 0.0, False,
               f"{a.eval_servers} vLLM starts, {a.eval_prompts} prompts x {a.eval_tokens} tokens"),
@@ -86,7 +90,7 @@ def lines(plan: dict) -> list[str]:
         return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min"
 
     out = ["", f"the run, phase by phase ({plan['samples']:,} samples x {plan['tokens_per_sample']:,} tokens, "
-               f"{plan['reply_tokens']:,} of them generated; {plan['epochs']:g} epoch(s) = {plan['steps']:,} steps):"]
+               f"{plan['reply_tokens']:,} of them generated; {plan['epochs']:.3g} epoch(s) = {plan['steps']:,} steps):"]
     for p in plan["phases"]:
         disk = f"; disk {p['disk_gb_s']:.1f} GB/s" if p["disk_gb_s"] else ""
         bound = ": the disk sets this pace" if p["disk_bound"] else ""

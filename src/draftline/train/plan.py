@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 from speculators.models.eagle3.model_definitions import model_classes
 
 from draftline.data import storage
+from draftline.drafter.mla import is_mla_config
 from draftline.drafter.model import meta_drafter
 from draftline.drafter.shape import default_config, load_config
 from draftline.errors import ConfigError, DraftlineError
@@ -224,7 +226,8 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
               layer: str = "llama", draft_vocab_size: int | None = None, link: str = "pcie",
               link_gb_s: float | None = None, gpu_tflops: float | None = interconnect.DEFAULT_TFLOPS,
               samples: int = DEFAULT_SAMPLES, tokens_per_sample: int = DEFAULT_TOKENS_PER_SAMPLE,
-              verifier: str | Path | None = None, epochs: float = 1.0, reply_tokens: int | None = None,
+              verifier: str | Path | None = None, epochs: float | None = None, steps: int = 200,
+              reply_tokens: int | None = None,
               assumptions: phases.Assumptions = phases.Assumptions()) -> dict:
     """The memory plan (JSON-serialisable) for a drafter: ``config`` is ``None`` (the real Kimi drafter of
     ``layer``: AQ-MedAI's Llama-layer Kimi-K2 one, or lightseek's MLA Kimi-K2.5 one, with ``draft_vocab_size``
@@ -282,7 +285,7 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
     link_s = moved["stages"][str(chosen)]["link_s"] if chosen is not None else 0.0
     step_s = max(moved["compute_s"], link_s) if moved["compute_s"] else None  # DeepSpeed overlaps the two
     run = phases.phases(samples=samples, tokens_per_sample=tokens_per_sample,
-                        reply_tokens=reply_tokens or tokens_per_sample, epochs=epochs, gpus=gpus, nodes=nodes,
+                        reply_tokens=reply_tokens or tokens_per_sample, epochs=epochs, steps=steps, gpus=gpus, nodes=nodes,
                         tokens_per_batch=tokens_per_batch, step_s=step_s, bytes_per_token=shards.bytes_per_token,
                         assumptions=assumptions)
     return {
@@ -303,6 +306,17 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
                     "offered": list(storage.HIDDEN_BYTES),
                     "bytes_by_storage": {kind: plan.bytes for kind, plan in by_storage.items()}},
     }
+
+
+def verifier_uses_mla(source: str | Path) -> bool:
+    """Whether the verifier (its directory or config.json, read as JSON: Kimi-K2.5's ``kimi_k25`` wrapper keeps
+    the text model under ``text_config``) has MLA attention, as finetune's ``--drafter-layer auto`` asks."""
+    path = Path(source).expanduser()
+    try:
+        raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    except (OSError, ValueError):
+        return False  # the shards' sizing names the unreadable file
+    return is_mla_config(raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw)
 
 
 def _shards(shape: dict, verifier: str | Path | None, samples: int,

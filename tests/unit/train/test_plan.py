@@ -192,7 +192,7 @@ def run():
 
 
 def test_cli_json_parses(run):
-    r = run("plan", "--json", "--gpus", "4")
+    r = run("plan", "--json", "--gpus", "4", "--drafter-layer", "llama")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["params"] == TRAINABLE + FROZEN and out["gpus_per_node"] == 4 and set(out["stages"]) == {"0", "1",
@@ -205,7 +205,7 @@ def test_cli_table_and_exit_1_when_the_chosen_stage_does_not_fit(run):
     assert "use: --zero-stage 2: ZeRO-2 fits" in ok.stdout and "interconnect: pcie at 63 GB/s" in ok.stdout
     assert "prepared shards: 4.3 TB for 25,000 samples x 3,000 tokens" in ok.stdout
     assert "1.1 TB" in run("plan", "--samples", "25000", "--tokens-per-sample", "768").stdout
-    r = run("plan", "--gpu-memory-gib", "8", "--zero-stage", "2")
+    r = run("plan", "--gpu-memory-gib", "8", "--zero-stage", "2", "--drafter-layer", "llama")
     assert r.exit_code == 1
     assert "error: ZeRO-2 does not fit" in r.stderr and "--tokens-per-batch" in r.stderr
     assert "Traceback" not in r.output
@@ -270,7 +270,7 @@ def test_a_verifier_of_another_width_than_the_drafter_is_refused_in_one_line(run
 def test_the_real_run_is_planned_phase_by_phase_with_its_nodes_and_disk(run):
     """plan --samples 25000: regeneration, capture, training and evaluation, each with its time, the nodes it needs
     and the disk bandwidth it asks; training reads 8 ranks x 4,096 tokens x 57,353 bytes every step."""
-    r = run("plan", "--drafter-layer", "mla", "--samples", "25000", "--json")
+    r = run("plan", "--drafter-layer", "mla", "--samples", "25000", "--epochs", "1", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     phases = {p["name"]: p for p in out["run"]["phases"]}
@@ -311,3 +311,48 @@ def test_epochs_set_the_steps_from_the_data():
     assert steps_for_epochs(cfg, {"tokens": 100_000}, 4, held_out=False) == 45  # 2 x 90,000 / 4,000
     assert steps_for_epochs(cfg, {"tokens": 100_000}, 4, held_out=True) == 50  # an evaluation set: no share held
     assert steps_for_epochs(cfg.model_copy(update={"epochs": 0.001}), {"tokens": 100}, 8, held_out=True) == 1
+
+
+# options plan and finetune both have that mean different things there, and why
+PLAN_ONLY_MEANING = {
+    "--gpus": "GPUs per node of the machines planned for; finetune's counts the ranks it launches here (0: all)",
+    "--zero-stage": "plan compares every stage unless told the one you will use; finetune trains with one",
+    "--data": "plan measures the prepared data's lengths (optional); finetune trains on it (required)",
+}
+
+
+def _options(command: str) -> dict[str, dict]:
+    import click
+
+    ctx = click.Context(cli.commands[command])
+    return {p.opts[0]: {"type": type(getattr(p.type, "inner", p.type)).__name__, "default": p.default, "help": p.help,
+                        "record": p.get_help_record(ctx)}
+            for p in cli.commands[command].params if isinstance(p, click.Option) and not p.hidden}
+
+
+def test_plan_and_finetune_agree_on_every_option_they_share():
+    """plan takes finetune's settings from FinetuneConfig: the same flag, type, bounds, default and help."""
+    planned, trained = _options("plan"), _options("finetune")
+    shared = sorted(set(planned) & set(trained) - set(PLAN_ONLY_MEANING))
+    assert set(shared) >= {"--tokens-per-batch", "--ttt-steps", "--precision", "--attn-impl", "--epochs", "--steps",
+                           "--drafter-layer", "--draft-vocab-size"}
+    differ = [flag for flag in shared if planned[flag] != trained[flag]]
+    assert differ == []
+
+
+@pytest.mark.parametrize(("flag", "value", "said"), [("--tokens-per-batch", "8", "greater than or equal to 16"),
+                                                     ("--ttt-steps", "17", "less than or equal to 16"),
+                                                     ("--precision", "fp16", "'fp16' is not one of")])
+def test_a_shared_option_is_bounded_as_finetune_bounds_it(flag, value, said):
+    out = CliRunner().invoke(cli, ["plan", flag, value])
+    assert out.exit_code == 2 and said in out.output and "Traceback" not in out.output
+
+
+def test_plan_auto_is_what_finetune_resolves_on_gpus_and_its_steps_are_finetunes():
+    """The defaults: finetune's auto on GPUs (bf16, sdpa, MLA for the mission's Kimi-K2.5) and its 200 steps."""
+    out = json.loads(CliRunner().invoke(cli, ["plan", "--json"]).stdout)
+    assert (out["precision"], out["activations"]["attn_impl"]) == ("bf16", "sdpa")
+    assert "MLA" in out["drafter"]
+    assert out["run"]["steps"] == 200
+    epoch = json.loads(CliRunner().invoke(cli, ["plan", "--json", "--epochs", "1"]).stdout)["run"]
+    assert epoch["epochs"] == 1 and epoch["steps"] > 200
