@@ -6,6 +6,8 @@ and exits with ``exit_code``; anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 
 class DraftlineError(Exception):
     """Base of all expected failures. ``exit_code`` 1 is a runtime failure, 2 a usage error."""
@@ -77,3 +79,23 @@ class Interrupted(DraftlineError):
     def __init__(self, message: str, signum: int = 15):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+def all_of(checks: Iterable[Callable[[], object]]) -> None:
+    """Run every check and raise what they found at once: one mistake as it is, several as one error of the
+    first one's kind (and exit code: usage over runtime) that lists them all, so a user fixes them in one go.
+    A check that itself ran :func:`all_of` adds its mistakes one by one."""
+    found: list[DraftlineError] = []
+    for check in checks:
+        try:
+            check()
+        except DraftlineError as e:
+            found.extend(x for x in getattr(e, "problems", None) or [e] if str(x) not in map(str, found))
+    if len(found) == 1:
+        raise found[0]
+    if found:
+        error = type(found[0])(f"{len(found)} problems: " + "; ".join(f"({i}) {e}" for i, e in enumerate(found, 1)))
+        error.exit_code = max((e.exit_code for e in found if e.exit_code != ServerUnavailable.exit_code),
+                              default=found[0].exit_code)
+        error.problems = found  # type: ignore[attr-defined]
+        raise error

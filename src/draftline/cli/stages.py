@@ -12,6 +12,7 @@ import click
 from draftline.cli.common import _result, _settings, _stdout_to_stderr, cli, settings_options, shared_settings
 from draftline.config import EvaluateConfig, ExportConfig, FinetuneConfig, PrepareConfig, shipped, suggest
 from draftline.data.inputs import check_data_ref, read_inputs
+from draftline.errors import all_of
 from draftline.serving.verifiers import CATALOG as VERIFIERS
 from draftline.store import check_runs, check_store
 from draftline.train.inputs import check_visible as check_finetune_files
@@ -93,13 +94,18 @@ def prepare(config_file, **flags):
 def finetune(config_file, resume_run, **flags):
     """Finetune a drafter from a parent with DeepSpeed ZeRO (one MLflow run)."""
     cfg = _settings(FinetuneConfig, config_file, flags)
-    check_finetune_files(cfg)  # the files the settings name, before torch and DeepSpeed load
+
+    def runs() -> None:  # node 0 opens the run; the other nodes attach through it
+        if job_place(cfg).leader:
+            check_runs({"--data": cfg.data, "--eval-data": cfg.eval_data})  # prepared data: a finished prepare
+            check_runs({"--resume": resume_run}, finished=False)  # an interrupted finetune, FAILED or KILLED
+
+    # every mistake the files, names and runs show, at once, before torch and DeepSpeed load
+    all_of([lambda: check_finetune_files(cfg), runs])
     place = job_place(cfg)
     if place.multi:  # the launchers' rendezvous speaks in one line, not c10d's retry traces
         os.environ.setdefault(QUIET_C10D[0], QUIET_C10D[1])
-    if place.leader:  # node 0 opens the run; the other nodes attach through it
-        check_runs({"--data": cfg.data, "--eval-data": cfg.eval_data})  # prepared data: a finished prepare
-        check_runs({"--resume": resume_run}, finished=False)  # an interrupted finetune, FAILED or KILLED
+    if place.leader:
         check_store(read_only=False)
     from draftline.train.finetune import run
 

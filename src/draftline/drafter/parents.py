@@ -12,13 +12,11 @@ revision, its config and safetensors weights only (never ``training_state.pt`` o
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import (
@@ -29,12 +27,12 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from draftline import environment, tracking
-from draftline.config import project_root, shipped, work_dir
+from draftline import tracking
+from draftline.config import project_root, work_dir
 from draftline.console import say
-from draftline.errors import ConfigError, ParentNotFound
+from draftline.drafter.catalog import CatalogEntry, catalog_path, load_catalog, not_a_parent
+from draftline.errors import ParentNotFound
 from draftline.registry.blobcache import BlobCache
 from draftline.registry.transfer import fetch_directory
 from draftline.registry.versions import resolve_version
@@ -43,16 +41,6 @@ from draftline.registry.versions import resolve_version
 # state, a pickle) is as big as the weights and draftline never loads a pickle (*.pt, *.bin, *.pth, *.pkl).
 PARENT_FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "README.md"]
 LOCAL_ONLY = "local"  # a catalog revision naming no Hub repo (the tiny parent `make-tiny` writes): never downloaded
-
-
-class CatalogEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    source: str
-    revision: str = "main"
-    layout: str = Field("midlayer", pattern="^(midlayer|speculators)$")
-    verifier: str | None = None
-    description: str = ""
-    local_dirs: list[str] = Field(default_factory=list)
 
 
 @dataclass
@@ -68,21 +56,6 @@ class Parent:
     @property
     def is_random(self) -> bool:
         return self.path is None
-
-
-def catalog_path() -> Path:
-    return Path(environment.PARENTS.get() or shipped("configs", "parents.yaml"))
-
-
-def load_catalog(path: Path | None = None) -> dict[str, CatalogEntry]:
-    path = path or catalog_path()
-    try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        return {k: CatalogEntry(**v) for k, v in (raw.get("parents") or {}).items()}
-    except FileNotFoundError:
-        raise ConfigError(f"parent catalog {path} does not exist (set {environment.PARENTS.name})") from None
-    except (yaml.YAMLError, ValidationError, TypeError, AttributeError) as e:
-        raise ConfigError(f"parent catalog {path} is invalid: {e}") from None
 
 
 def _expand(p: str) -> Path | None:
@@ -223,10 +196,4 @@ def resolve_init(init: str, *, cache: Path | None = None) -> Parent:
             cached = _download(init, init, hf_constants.DEFAULT_REVISION, catalog_entry=False)
         if cached is not None:
             return Parent(init=init, name=init, source=init, revision=cached.name, path=cached)
-    near = difflib.get_close_matches(init, list(catalog), n=1)
-    raise ParentNotFound(
-        f"init '{init}' is not 'random', a catalog name ({', '.join(sorted(catalog))}), a local directory, a "
-        "Hugging Face repo id, or a models:/ URI" + (f"; did you mean '{near[0]}'?" if near else "")
-        + ("; HF_HUB_OFFLINE is set, so only the local Hugging Face cache was searched" if repo_like and offline
-           else "")
-    )
+    raise not_a_parent(init, catalog, offline=repo_like and offline)

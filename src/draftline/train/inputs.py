@@ -2,7 +2,7 @@
 and evaluation sets (a directory with a readable manifest, or a remote URI), the hostfile, the node's place in
 a per-node job, and the DeepSpeed
 config file (JSON whose sections are objects; DeepSpeed's own config class checks the rest in
-``preflight.check_ds_config``, once it loads). Standard library and pydantic only."""
+``preflight.check_ds_config``, once it loads), and the parent's name. Standard library, YAML and pydantic only."""
 
 from __future__ import annotations
 
@@ -11,19 +11,22 @@ from pathlib import Path
 
 from draftline.config import FinetuneConfig, shipped
 from draftline.data.inputs import check_data_ref
-from draftline.errors import ConfigError, DataError
+from draftline.drafter.catalog import check_init
+from draftline.errors import ConfigError, DataError, all_of
 from draftline.train.nodes import Place, place
 
 
 def check_visible(cfg: FinetuneConfig) -> None:
-    """One :class:`DraftlineError` naming the first file that is wrong and the fix."""
-    check_data_ref(cfg.data)
-    if cfg.eval_data:
-        check_data_ref(cfg.eval_data)
-    if cfg.hostfile and not Path(cfg.hostfile).is_file():
-        raise DataError(f"hostfile {cfg.hostfile} does not exist: pass --hostfile <a DeepSpeed hostfile>")
-    job_place(cfg)
-    read_ds_config_file(ds_config_path(cfg))
+    """Every mistake the settings' files and names show, in one :class:`DraftlineError` (each naming the file
+    or flag that is wrong and the fix): the data, the evaluation set, the parent, the hostfile, the node's
+    place, the DeepSpeed config."""
+    def hostfile() -> None:
+        if cfg.hostfile and not Path(cfg.hostfile).is_file():
+            raise DataError(f"hostfile {cfg.hostfile} does not exist: pass --hostfile <a DeepSpeed hostfile>")
+
+    all_of([lambda: check_data_ref(cfg.data), lambda: cfg.eval_data and check_data_ref(cfg.eval_data),
+            lambda: check_init(cfg.init), hostfile, lambda: job_place(cfg),
+            lambda: read_ds_config_file(ds_config_path(cfg))])
 
 
 def job_place(cfg: FinetuneConfig) -> Place:

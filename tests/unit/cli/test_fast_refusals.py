@@ -194,3 +194,16 @@ def test_the_registry_and_the_tracking_store_refuse_before_mlflow_loads(case, tm
     assert probe["code"] == code and len(errors) == 1 and says.format(t=tmp_path) in errors[0], stderr
     assert probe["loaded"] == [], f"loaded before the refusal: {probe['loaded']}"
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_all_of_finetunes_mistakes_are_said_at_once(tmp_path):
+    """A mistyped parent is not hidden behind a missing data run: every mistake finetune can see, in one error,
+    before any stage loads, with nothing written."""
+    probe, stderr = _refusal(tmp_path, "finetune", "--data", f"runs:/{'0' * 32}/data", "--init", "kimi-k2x",
+                             "--ds-config", tmp_path / "nope.json")
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert probe["code"] == 2 and len(errors) == 1, stderr  # a usage mistake among them: usage's exit code
+    assert errors[0].startswith("error: 3 problems: (1) init 'kimi-k2x' is not 'random'"), errors[0]
+    assert "did you mean 'kimi-k25-mla'?" in errors[0] and f"(2) DeepSpeed config {tmp_path}/nope.json" in errors[0]
+    assert f"(3) --data names run {'0' * 32}, and there is no tracking store" in errors[0]
+    assert probe["loaded"] == [] and sorted(p.name for p in tmp_path.iterdir()) == ["probe.json"]
