@@ -24,9 +24,12 @@ def check_visible(cfg: FinetuneConfig) -> None:
         if cfg.hostfile and not Path(cfg.hostfile).is_file():
             raise DataError(f"hostfile {cfg.hostfile} does not exist: pass --hostfile <a DeepSpeed hostfile>")
 
-    all_of([lambda: check_data_ref(cfg.data), lambda: cfg.eval_data and check_data_ref(cfg.eval_data),
-            lambda: check_init(cfg.init), hostfile, lambda: job_place(cfg),
-            lambda: read_ds_config_file(ds_config_path(cfg))])
+    def eval_data() -> None:
+        if cfg.eval_data:
+            check_data_ref(cfg.eval_data)
+
+    all_of([lambda: check_data_ref(cfg.data), eval_data, lambda: check_init(cfg.init), hostfile,
+            lambda: job_place(cfg), lambda: read_ds_config_file(ds_config_path(cfg))])
 
 
 def job_place(cfg: FinetuneConfig) -> Place:
