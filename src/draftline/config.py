@@ -151,6 +151,11 @@ class FinetuneConfig(_Strict):
                             "layer), mla (DeepSeek-V3's MLA with a dense MLP, vLLM's Eagle3DeepseekV2ForCausalLM; "
                             "an MLA verifier only), or auto: the parent's, and for init=random MLA for an MLA "
                             "verifier (Kimi, DeepSeek-V3), Llama otherwise.")
+    fc_norm: bool | None = Field(None, description="EAGLE 3.1: one RMSNorm per aux hidden state before fc "
+                                 "(fc_norm.{i}.weight) [default: the parent's; from random init, false: "
+                                 "docs/kimi.md says why].")
+    norm_output: bool | None = Field(None, description="EAGLE 3.1: feed the next draft step the post-norm state "
+                                     "lm_head reads [default: the parent's; from random init, false].")
     draft_vocab_size: int | None = Field(None, ge=2, description="Draft vocabulary size when it is built from "
                                          "data (init=random or vocab=rebuild); default: the parent's, or "
                                          "min(32000, verifier vocabulary).")

@@ -17,6 +17,7 @@ from draftline.drafter import (
 )
 from draftline.drafter.batches import batch_plan, batches
 from draftline.drafter.fast_ops import bf16_argmax_by_max
+from draftline.drafter.form import split as split_form
 from draftline.drafter.loss import kl_div
 from draftline.drafter.shape import VERIFIER_ONLY_KEYS, layer_config
 from draftline.drafter.walk import walk_sums
@@ -48,11 +49,13 @@ def build_draft_model(verifier_name_or_path: str, *, d2t: torch.Tensor, t2d: tor
                       norm_before_residual: bool = False, layer: dict | None = None):
     """A fresh drafter (random trainable weights, verifier embeddings and lm_head rows), cast to ``dtype``.
 
-    ``layer`` is the decoder layer config (:func:`draftline.drafter.shape.layer_config`; default: the verifier's own, with one layer).
+    ``layer`` is the decoder layer config (:func:`draftline.drafter.shape.layer_config`; default: the verifier's own, with one layer),
+    with the EAGLE form it carries (:mod:`draftline.drafter.form`; none: 3.0).
     ``sdpa``/``eager`` attention train on the CPU, where speculators' default flex attention does not.
     """
     # a hand-off written before layer_config dropped them may still carry the verifier's quantization
-    layer = {k: v for k, v in (layer or layer_config(verifier_name_or_path)).items() if k not in VERIFIER_ONLY_KEYS}
+    layer, eagle = split_form(layer or layer_config(verifier_name_or_path))
+    layer = {k: v for k, v in layer.items() if k not in VERIFIER_ONLY_KEYS}
     layer_cfg = AutoConfig.for_model(layer.pop("model_type"), **layer)
     load_config(verifier_name_or_path)  # a trusted custom config class, registered for speculators' own reads
     model: torch.nn.Module = Eagle3DraftModel.from_training_args(
@@ -63,6 +66,8 @@ def build_draft_model(verifier_name_or_path: str, *, d2t: torch.Tensor, t2d: tor
         target_layer_ids=list(aux_layer_ids),
         draft_vocab_size=draft_vocab_size,
         norm_before_residual=norm_before_residual,
+        fc_norm=eagle.fc_norm,  # EAGLE 3.1 (drafter/form.py); speculators' TTT loop feeds the post-norm state on
+        norm_output=eagle.norm_output,
         ttt_steps=ttt_steps,
         draft_attn_impl=attn_impl,
         trust_remote_code=is_trusted(verifier_name_or_path),

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from draftline.drafter.aux_ids import IDS
 from draftline.drafter.checkpoints import to_midlayer_layout
+from draftline.drafter.form import EagleForm
 from draftline.drafter.shape import layer_kind, served_mla_config
 
 __all__ = ["is_mla_drafter", "save_served", "short_form"]
@@ -49,7 +50,9 @@ def save_served(model, out: Path, verifier: str) -> Path:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = served_mla_config(model.config.transformer_layer_config, draft_vocab_size=model.draft_vocab_size,
                             aux_layer_ids=list(model.config.eagle_aux_hidden_state_layer_ids),
-                            norm_before_residual=bool(model.config.norm_before_residual))
+                            norm_before_residual=bool(model.config.norm_before_residual),
+                            form=EagleForm(fc_norm=bool(model.config.fc_norm),
+                                           norm_output=bool(model.config.norm_output)))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
 

@@ -20,6 +20,8 @@ from transformers import AutoConfig, LlamaConfig
 
 from draftline.drafter import mla
 from draftline.drafter.aux_ids import served_aux_fields
+from draftline.drafter.form import EagleForm
+from draftline.drafter.form import split as split_form
 from draftline.errors import ConfigError, DataError, ParentMismatch
 from draftline.serving import hf_model
 
@@ -210,12 +212,12 @@ def _parent_layer_fields(config: dict | None) -> dict | None:
 
 def speculator_config(layer_config, *, draft_vocab_size: int, aux_layer_ids: list[int] | None,
                       verifier: str | None = None, architectures: list[str] | None = None,
-                      norm_before_residual: bool = False):
+                      norm_before_residual: bool = False, form: EagleForm = EagleForm()):
     """An ``Eagle3SpeculatorConfig`` around a transformer layer config (as ``from_training_args`` builds it,
-    without reading the verifier)."""
+    without reading the verifier), in the EAGLE ``form``."""
     return Eagle3SpeculatorConfig(
         transformer_layer_config=layer_config, draft_vocab_size=draft_vocab_size,
-        norm_before_residual=norm_before_residual,
+        norm_before_residual=norm_before_residual, fc_norm=form.fc_norm, norm_output=form.norm_output,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids) if aux_layer_ids else None,
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
@@ -224,23 +226,23 @@ def speculator_config(layer_config, *, draft_vocab_size: int, aux_layer_ids: lis
 
 
 def llama_drafter_config(fields: dict[str, Any], *, draft_vocab_size: int, aux_layer_ids: list[int] | None,
-                         norm_before_residual: bool = False):
+                         norm_before_residual: bool = False, form: EagleForm = EagleForm()):
     """One Llama layer from flat config fields (SpecForge's config.json, or :data:`KIMI_K2`)."""
     keys = (*LLAMA_LAYER_KEYS, "vocab_size")
     layer = LlamaConfig(**{k: v for k, v in fields.items() if k in keys and v is not None}, num_hidden_layers=1)
     return speculator_config(layer, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
-                             norm_before_residual=norm_before_residual)
+                             norm_before_residual=norm_before_residual, form=form)
 
 
 def mla_drafter_config(fields: dict[str, Any], *, draft_vocab_size: int, aux_layer_ids: list[int] | None,
-                       norm_before_residual: bool = False):
+                       norm_before_residual: bool = False, form: EagleForm = EagleForm()):
     """One MLA layer from flat config fields (vLLM's ``Eagle3DeepseekV2ForCausalLM`` config.json, or
     :data:`KIMI_K25_MLA`)."""
     # a flat config without a dense MLP width gets 3 x hidden, speculators' own rule for MoE verifiers
     layer = _mla_layer_fields(fields, intermediate_size=3 * int(fields["hidden_size"]))
     layer_cfg = mla.layer_config_object({**layer, "vocab_size": fields.get("vocab_size")})
     return speculator_config(layer_cfg, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
-                             norm_before_residual=norm_before_residual)
+                             norm_before_residual=norm_before_residual, form=form)
 
 
 def default_config(layer: str = "llama", draft_vocab_size: int | None = None):
@@ -258,10 +260,11 @@ def verifier_config(verifier: str, *, draft_vocab_size: int, aux_layer_ids: list
     """The drafter finetune trains: the decoder layer of :func:`layer_config` (the verifier's own for
     Llama/Qwen3 verifiers, else a Llama layer) around the verifier (config.json only)."""
     vc = hf_model.load_config(verifier)
-    fields = {k: v for k, v in (layer or layer_config(verifier)).items() if k not in VERIFIER_ONLY_KEYS}
+    fields, form = split_form(layer or layer_config(verifier))
+    fields = {k: v for k, v in fields.items() if k not in VERIFIER_ONLY_KEYS}
     layer_cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     return speculator_config(layer_cfg, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
-                             verifier=verifier, architectures=vc.architectures)
+                             verifier=verifier, architectures=vc.architectures, form=form)
 
 
 def load_config(source: str | Path | dict[str, Any]):
@@ -287,11 +290,13 @@ def load_config(source: str | Path | dict[str, Any]):
     if mla.is_mla_config(raw) and raw.get("hidden_size"):  # vLLM's Eagle3DeepseekV2ForCausalLM (lightseek)
         return mla_drafter_config(raw, draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
                                   aux_layer_ids=aux_layer_ids(raw),
-                                  norm_before_residual=bool(raw.get("norm_before_residual", False)))
+                                  norm_before_residual=bool(raw.get("norm_before_residual", False)),
+                                  form=EagleForm.of_config(raw))
     if raw.get("draft_vocab_size") and raw.get("hidden_size"):  # SpecForge / AQ-MedAI
         return llama_drafter_config(raw, draft_vocab_size=int(raw["draft_vocab_size"]),
                                     aux_layer_ids=aux_layer_ids(raw),
-                                    norm_before_residual=bool(raw.get("norm_before_residual", False)))
+                                    norm_before_residual=bool(raw.get("norm_before_residual", False)),
+                                    form=EagleForm.of_config(raw))
     raise ConfigError(f"{where} is neither a speculators EAGLE-3 config nor a SpecForge LlamaForCausalLMEagle3 "
                       "one (no speculators_model_type, no draft_vocab_size)")
 
@@ -304,7 +309,7 @@ def rope_theta(layer) -> float:
 
 
 def served_mla_config(layer, *, draft_vocab_size: int, aux_layer_ids: list[int],
-                      norm_before_residual: bool = False) -> dict:
+                      norm_before_residual: bool = False, form: EagleForm = EagleForm()) -> dict:
     """The ``config.json`` vLLM loads as ``Eagle3DeepseekV2ForCausalLM`` (lightseekorg/kimi-k2.5-eagle3-mla's form),
     every field from the drafter's own MLA layer config ``layer``: ``model_type`` ``kimi_k2`` (vLLM rewrites
     ``deepseek_v3`` into an MTP model), the aux layers wherever either of vLLM's runners reads them
@@ -324,6 +329,7 @@ def served_mla_config(layer, *, draft_vocab_size: int, aux_layer_ids: list[int],
         "draft_vocab_size": draft_vocab_size,
         "target_hidden_size": layer.hidden_size,
         "norm_before_residual": norm_before_residual,
+        **form.fields(),  # written whatever they are: readers differ on what an absent key means
         **served_aux_fields(aux_layer_ids),
     }
     if rope.get("rope_type") not in (None, "default"):
@@ -331,7 +337,8 @@ def served_mla_config(layer, *, draft_vocab_size: int, aux_layer_ids: list[int],
     return out
 
 
-def specforge_config(layer, *, draft_vocab_size: int, aux_layer_ids: list[int]) -> dict:
+def specforge_config(layer, *, draft_vocab_size: int, aux_layer_ids: list[int], form: EagleForm = EagleForm(),
+                     norm_before_residual: bool = False) -> dict:
     """The ``config.json`` SpecForge writes for an EAGLE-3 drafter (AQ-MedAI/Kimi-K2-Instruct-eagle3's form),
     every field taken from the drafter's own decoder-layer config ``layer`` (a transformers config): head_dim
     and the rope base are the layer's, never derived from another model's sizes."""
@@ -354,6 +361,8 @@ def specforge_config(layer, *, draft_vocab_size: int, aux_layer_ids: list[int]) 
         "vocab_size": layer.vocab_size,
         "draft_vocab_size": draft_vocab_size,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
+        # explicit: SpecForge reads an absent norm_output as true, vLLM and SGLang as false
+        **form.fields(), "norm_before_residual": norm_before_residual,
     }
     scaling = (getattr(layer, "rope_parameters", None) or {}) if isinstance(
         getattr(layer, "rope_parameters", None), dict) else {}

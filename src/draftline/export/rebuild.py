@@ -17,10 +17,14 @@ def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], 
     model = build_draft_model(local_verifier(params), d2t=state["d2t"], t2d=state["t2d"],
                               aux_layer_ids=aux, draft_vocab_size=int(state["d2t"].numel()),
                               ttt_steps=int(params["ttt_steps"]), dtype=torch.bfloat16, layer=layer)
-    expected = {k for k in model.state_dict() if k not in VERIFIER_OWNED}
-    missing = sorted(expected - set(state))
+    own = set(model.state_dict())
+    expected = {k for k in own if k not in VERIFIER_OWNED}
+    missing, unknown = sorted(expected - set(state)), sorted(set(state) - own)
     if missing:
         raise CheckpointError(f"the consolidated checkpoint lacks {', '.join(missing)}")
+    if unknown:  # e.g. EAGLE 3.1's fc_norm.* of a run whose hand-off does not say its form: never dropped
+        raise CheckpointError(f"the consolidated checkpoint has {', '.join(unknown[:4])}, which the rebuilt drafter "
+                              "has no place for: its layer_config.json does not describe the drafter trained")
     model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     return model.eval()
 

@@ -23,7 +23,7 @@ VERSION_TAG_PARAMS = (
     "init", "parent.name", "parent.source", "parent.revision", "parent.sha256", "parent.layout",
     "parent.key_remap", "vocab.policy", "vocab.draft_size", "verifier.name_or_path", "verifier.aux_layers",
     "verifier.revision", "verifier.trust_remote_code", "verifier.model_type", "data.digest", "train.pairing",
-    "drafter.layer",
+    "drafter.layer", "drafter.eagle", "drafter.fc_norm", "drafter.norm_output",
     "eval.data.digest",
 )
 HEADLINE_METRICS = ("val/acceptance_length", "parent.val/acceptance_length", "train/acceptance_length",

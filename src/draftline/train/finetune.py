@@ -22,8 +22,10 @@ from draftline.config import FinetuneConfig, work_dir
 from draftline.console import say
 from draftline.data.refs import dataset_name, resolve_data
 from draftline.data.shards import PreparedData, open_prepared
-from draftline.drafter import attention, handoff
+from draftline.drafter import attention, form, handoff
 from draftline.drafter.checkpoints import CheckpointFiles, detect_layout, draft_vocab, find_checkpoint, read_header
+from draftline.drafter.form import split as split_form
+from draftline.drafter.form import with_form
 from draftline.drafter.model import LAYER_FILE, PAIRING
 from draftline.drafter.parents import Parent, resolve_init
 from draftline.drafter.shape import key_remap, layer_config, layer_kind, verifier_config
@@ -286,6 +288,10 @@ def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, 
         remap = key_remap(layout)
     vocab, counts = choose_vocab(cfg, files, data, manifest["vocab_size"])
     layer = layer_config(manifest["verifier"], files.config if files else None, cfg.drafter_layer)
+    layer = with_form(layer, form.choose(fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
+                                         parent=None if files is None else parent.name,
+                                         parent_config=files.config if files else None,
+                                         parent_keys=header or (), aux_layers=len(manifest["aux_layer_ids"])))
     # every check a rank would make (keys, shapes, vocabulary, aux layers), before hashing and launch
     preflight.preflight(verifier=manifest["verifier"], layer=layer, manifest=manifest, vocab=vocab,
                         parent_files=files, header=header, vocab_policy=cfg.vocab, parent_name=parent.name)
@@ -338,6 +344,8 @@ def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
         "train.lr_schedule": cfg.lr_schedule,
         "train.ttt_loss_decay": cfg.ttt_loss_decay, "train.hidden_noise": cfg.hidden_noise,
         "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl, "drafter.layer": layer_kind(inputs.layer),
+        **{f"drafter.{k}": v for k, v in split_form(inputs.layer)[1].fields().items()},
+        "drafter.eagle": split_form(inputs.layer)[1].name,
         "train.val_fraction": cfg.val_fraction if eval_data is None else 0.0,
         "train.pairing": PAIRING,
         "eval.data.digest": eval_data.manifest["digest"] if eval_data is not None else "none",
