@@ -79,8 +79,9 @@ PARENTS_DIR = _var("PARENTS_DIR", str, "", "a folder", "Where the catalog looks 
                    "(aq-medai, kimi-k25-mla) before the Hugging Face cache.")
 TINY_DIR = _var("TINY_DIR", str, "", "a folder", "Where `init=tiny` finds the Llama family's tiny parent "
                 "(`draftline make-tiny OUT_DIR`; default work/tiny).")
-TINY_KIMI_DIR = _var("TINY_KIMI_DIR", str, "", "a folder", "Where `init=tiny-kimi` and `init=tiny-kimi-mla` find "
-                     "the Kimi family's tiny parents (`draftline make-tiny OUT_DIR --family kimi`).")
+TINY_KIMI_DIR = _var("TINY_KIMI_DIR", str, "", "a folder", "Where `init=tiny-kimi`, `init=tiny-kimi-mla` and "
+                     "`init=tiny-kimi-mla31` find the Kimi family's tiny parents (`draftline make-tiny OUT_DIR "
+                     "--family kimi`).")
 REGISTRY_POLICIES = _var("REGISTRY_POLICIES", str, "", "a folder or a shipped set", "The team's promotion "
                          "policies, one <stage>.yaml each, or the name of a set draftline ships (`gpu`: gates on "
                          "speed, for a deployment on GPUs); default: the shipped registry_policies/.")

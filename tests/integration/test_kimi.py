@@ -150,8 +150,8 @@ def test_a_quantized_kimi_verifiers_drafter_never_inherits_it_and_vllm_serves_th
 @pytest.mark.timeout(2400)
 def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vllm_python):
     """The mission's chain in miniature, on every CPU here: vLLM (bf16, --trust-remote-code) answers GSM8K
-    prompts -> vLLM captures the hidden states -> finetune an MLA drafter from the Kimi-shaped lightseek-layout
-    parent (ZeRO-2, 2 ranks, --vocab rebuild from its whole vocabulary) -> evaluate on vLLM beside the verifier
+    prompts -> vLLM captures the hidden states -> finetune an MLA drafter from the Kimi-shaped EAGLE 3.1 parent in
+    lightseek's Kimi-K2.6 layout (ZeRO-2, 2 ranks, --vocab rebuild from its whole vocabulary) -> evaluate on vLLM beside the verifier
     (bf16, lossless up to near ties) -> export with the vLLM check on -> promote -> pull --stage Production -> the
     pulled directory served by the printed command's speculative config, drafting."""
     from draftline.registry.versions import model_id_of
@@ -186,14 +186,14 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     assert metrics["data/truncated_replies"] == regenerated["data/truncated_replies"] and "data/reply_tokens_p90" in metrics
     assert "data/reply_lengths.png" in [f.path for f in client.list_artifacts(train["run_id"], "data")]
 
-    ft = invoke("finetune", "--data", train["data_uri"], "--init", "tiny-kimi-mla", "--vocab", "rebuild",
+    ft = invoke("finetune", "--data", train["data_uri"], "--init", "tiny-kimi-mla31", "--vocab", "rebuild",
                 "--draft-vocab-size", "256", "--steps", "100", "--lr", "3e-3", "--gpus", "2", "--zero-stage", "2",
                 "--tokens-per-batch", "512", "--warmup-steps", "0", "--val-every", "50", "--eval-data",
                 ev["data_uri"])
     fp = client.get_run(ft["run_id"]).data.params
     assert fp["parent.layout"] == "midlayer" and fp["parent.key_remap"] == "midlayer.->layers.0."
     assert fp["verifier.trust_remote_code"] == "True" and fp["vocab.policy"] == "rebuild"
-    assert fp["drafter.layer"] == "mla"
+    assert fp["drafter.layer"] == "mla" and fp["drafter.eagle"] == "3.1"  # the parent's form, read from it
 
     child = invoke("evaluate", "--target", f"runs:/{ft['run_id']}", "--data", ev["data_uri"], "--max-new-tokens",
                    "24", "--cross-check", "true", "--sweep-k", "2..3")
@@ -225,6 +225,7 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     mv = client.get_model_version("kimi-drafter", ex["version"])
     assert mv.tags["export.vllm_check"].startswith("passed") and "bfloat16" in mv.tags["export.vllm_check"]
     assert mv.tags["verifier.name_or_path"] == KIMI_VERIFIER_ID and mv.tags["drafter.layer"] == "mla"
+    assert mv.tags["drafter.eagle"] == "3.1"
     assert mv.tags["eval.recommended_num_speculative_tokens"] == str(fastest)  # what vLLM is told to draft
     assert mv.tags["eval.recommended_num_speculative_tokens.from"] == "measured speed (--sweep-k)"
     policies = tmp_path / "policies"
@@ -252,6 +253,7 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     config = json.loads((tmp_path / "srv" / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "kimi_k2"
     assert config["draft_vocab_size"] == 256
+    assert (config["fc_norm"], config["norm_output"]) == (True, True)  # served as 3.1: vLLM loads its fc_norm.*
     card = (tmp_path / "srv" / "README.md").read_text()  # the model card says what it buys, as evaluate measured
     assert "## Measured by vLLM beside the verifier" in card and f"x{value:.2f} [{low:.2f}, {high:.2f}] at " \
         "concurrency 1" in card, card

@@ -35,11 +35,12 @@ from draftline.train.nodes import QUIET_C10D
                    "OUT_DIR/verifier-quantized with a quantization_config (config only).")
 def make_tiny_cmd(out_dir, conversations, parent_steps, seed, family):
     """Write a tiny verifier (OUT_DIR/verifier) and a tiny AQ-MedAI-layout parent (OUT_DIR/parent); with
-    --family kimi also an MLA parent in lightseek's layout (OUT_DIR/parent-mla).
+    --family kimi also an MLA parent in lightseek's Kimi-K2.5 layout (OUT_DIR/parent-mla) and an EAGLE 3.1 one in
+    its Kimi-K2.6 layout (OUT_DIR/parent-mla31: fc_norm, norm_output).
 
     The catalog entry `init=tiny` finds the Llama family's parent through DRAFTLINE_TINY_DIR=OUT_DIR (or
-    work/tiny); `init=tiny-kimi` and `init=tiny-kimi-mla` the Kimi family's through DRAFTLINE_TINY_KIMI_DIR=OUT_DIR
-    (or work/tiny-kimi)."""
+    work/tiny); `init=tiny-kimi`, `init=tiny-kimi-mla` and `init=tiny-kimi-mla31` the Kimi family's through
+    DRAFTLINE_TINY_KIMI_DIR=OUT_DIR (or work/tiny-kimi)."""
     from draftline.testing.kimi import KIMI_K25_VERIFIER_ID, KIMI_VERIFIER_ID, make_tiny_kimi
     from draftline.testing.tiny import TINY_VERIFIER_ID, make_tiny
 

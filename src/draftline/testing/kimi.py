@@ -1,5 +1,5 @@
-"""A tiny verifier of Kimi-K2's architecture, in the forms Kimi ships, and two parents for it (AQ-MedAI's Llama
-layer and lightseek's MLA one).
+"""A tiny verifier of Kimi-K2's architecture, in the forms Kimi ships, and three parents for it (AQ-MedAI's Llama
+layer, lightseek's MLA one, and lightseek's EAGLE 3.1 MLA one).
 
 ``make_tiny_kimi(out_dir)`` writes::
 
@@ -14,6 +14,8 @@ layer and lightseek's MLA one).
     out_dir/parent-mla/          an MLA EAGLE-3 drafter in lightseekorg/kimi-k2.5-eagle3-mla's layout (one
                                  DeepSeek-V3 MLA layer, ``midlayer.*``, vLLM's flat config.json, the whole
                                  vocabulary as draft vocabulary), trained as much on the verifier
+    out_dir/parent-mla31/        the same in lightseekorg/kimi-k2.6-eagle3.1-mla's EAGLE 3.1 form: ``fc_norm:
+                                 true`` with ``fc_norm.{i}.weight``, ``norm_output: true``
 
 The language model is transformers' ``DeepseekV3ForCausalLM`` with random weights: hidden 256, 8 layers,
 4 heads, MLA with DeepSeek's own head dims (vLLM's CPU MLA backend serves no other, and only in bf16), 8 routed
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+from draftline.drafter.form import EagleForm
 from draftline.testing.kimi_k25 import write_k25
 from draftline.testing.tiny import _corpus_texts, build_tokenizer, write_parent
 
@@ -136,11 +139,12 @@ def _write_quantized(k2: Path, out: Path) -> None:
 
 def make_tiny_kimi(out_dir: Path, conversations: Path, *, parent_steps: int = 60, seed: int = 0,
                    progress: bool = True) -> dict[str, Path]:
-    """Build the Kimi-shaped verifier in its three forms and its two parents under ``out_dir``; returns their paths."""
+    """Build the Kimi-shaped verifier in its three forms and its three parents under ``out_dir``; returns their
+    paths."""
     out_dir = Path(out_dir)
     paths = {"verifier": out_dir / "verifier", "verifier_k25": out_dir / "verifier-k25",
              "verifier_quantized": out_dir / "verifier-quantized", "parent": out_dir / "parent",
-             "parent_mla": out_dir / "parent-mla"}
+             "parent_mla": out_dir / "parent-mla", "parent_mla31": out_dir / "parent-mla31"}
     tokenizer = _kimi_tokenizer(_corpus_texts(conversations), 1024)
     model = build_text_model(tokenizer, seed=seed)
     paths["verifier"].mkdir(parents=True, exist_ok=True)
@@ -157,6 +161,9 @@ def make_tiny_kimi(out_dir: Path, conversations: Path, *, parent_steps: int = 60
         write_parent(model, scratch, tokenizer, conversations, paths["parent_mla"], draft_vocab_size=DRAFT_VOCAB,
                      parent_steps=parent_steps, seed=seed, progress=progress, layer_kind="mla",
                      served_id=KIMI_VERIFIER_ID)
+        write_parent(model, scratch, tokenizer, conversations, paths["parent_mla31"], draft_vocab_size=DRAFT_VOCAB,
+                     parent_steps=parent_steps, seed=seed, progress=progress, layer_kind="mla",
+                     served_id=KIMI_VERIFIER_ID, form=EagleForm(fc_norm=True, norm_output=True))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return paths

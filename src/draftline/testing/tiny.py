@@ -27,6 +27,7 @@ from draftline.data.capture import capture_hidden_states
 from draftline.data.conversations import load_conversations
 from draftline.data.tokenize import tokenize_conversations
 from draftline.drafter.checkpoints import to_midlayer_layout
+from draftline.drafter.form import EagleForm, with_form
 from draftline.drafter.model import build_draft_model, train_steps_in_process
 from draftline.drafter.served import save_served
 from draftline.drafter.shape import default_aux_layers, layer_config, specforge_config
@@ -127,13 +128,14 @@ def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, see
 
 def write_parent(verifier, verifier_dir: Path, tokenizer, conversations: Path, parent_dir: Path, *,
                  draft_vocab_size: int, parent_steps: int, seed: int, progress: bool, layer_kind: str = "llama",
-                 served_id: str | None = None) -> Path:
+                 served_id: str | None = None, form: EagleForm = EagleForm()) -> Path:
     """A parent for ``verifier`` (its causal LM, saved in ``verifier_dir``): a drafter trained ``parent_steps``
     steps on the verifier's hidden states over the first half of ``conversations``, saved in bf16 with
     ``midlayer.*`` keys. ``layer_kind`` ``llama``: AQ-MedAI's layout (a Llama layer, ``d2t``/``t2d``, SpecForge's
     config.json). ``mla``: lightseekorg/kimi-k2.5-eagle3-mla's (one MLA layer, vLLM's flat
     ``Eagle3DeepseekV2ForCausalLM`` config.json, the verifier's whole vocabulary as draft vocabulary, so no
-    ``d2t``/``t2d``; ``draft_vocab_size`` is ignored)."""
+    ``d2t``/``t2d``; ``draft_vocab_size`` is ignored). ``form``: EAGLE 3.0, or 3.1 (``fc_norm.{i}.weight`` and
+    ``norm_output``, as lightseekorg/kimi-k2.6-eagle3.1-mla)."""
     # The parent learns from the first half of the conversations; users finetune on whatever they bring.
     samples = tokenize_conversations(load_conversations(conversations).samples, tokenizer, max_length=512)
     samples = samples[: max(1, len(samples) // 2)]
@@ -152,7 +154,7 @@ def write_parent(verifier, verifier_dir: Path, tokenizer, conversations: Path, p
 
     torch.manual_seed(seed)
     # fp32 here only because bf16 matmuls are ~10x slower on a CPU; the parent is saved in bf16 like AQ-MedAI's
-    layer = layer_config(str(verifier_dir), None, layer_kind)
+    layer = with_form(layer_config(str(verifier_dir), None, layer_kind), form)
     model = build_draft_model(str(verifier_dir), d2t=d2t, t2d=t2d, aux_layer_ids=aux,
                               draft_vocab_size=draft_vocab_size, dtype=torch.float32, layer=layer)
     train_steps_in_process(model, batch, steps=parent_steps, lr=3e-3, tokens_per_batch=512, seed=seed,
@@ -169,6 +171,6 @@ def write_parent(verifier, verifier_dir: Path, tokenizer, conversations: Path, p
                                 for k, v in model.state_dict().items()})
     save_file(state, parent_dir / "model.safetensors", metadata={"format": "pt"})
     cfg = specforge_config(model.config.transformer_layer_config, draft_vocab_size=draft_vocab_size,
-                           aux_layer_ids=aux)
+                           aux_layer_ids=aux, form=form)
     (parent_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return parent_dir

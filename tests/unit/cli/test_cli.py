@@ -33,7 +33,7 @@ def test_help_lists_every_command_and_stage_settings(run):
 def test_unknown_init_lists_the_catalog(run, workspace, prepared):
     r = run("finetune", "--data", str(prepared), "--init", "no-such-parent")
     assert r.exit_code == 1
-    assert "init 'no-such-parent' is not 'random', a catalog name (aq-medai, kimi-k25-mla, tiny, tiny-kimi, tiny-kimi-mla)" in r.output
+    assert "init 'no-such-parent' is not 'random', a catalog name (aq-medai, kimi-k25-mla, kimi-k26-mla31, tiny, tiny-kimi, tiny-kimi-mla, tiny-kimi-mla31)" in r.output
     assert "Traceback" not in r.output
 
 
