@@ -108,12 +108,14 @@ def tiny(tmp_path_factory, request) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def kimi(tmp_path_factory) -> dict[str, Path]:
-    """The Kimi-shaped verifier (DeepSeek-V3 as custom code) in its three forms and its two parents (Llama layer in
-    AQ-MedAI's layout, MLA layer in lightseek's, whole vocabulary), trained 60 steps."""
+def kimi(tmp_path_factory, request) -> dict[str, Path]:
+    """The Kimi-shaped verifier (DeepSeek-V3 as custom code) in its three forms and its three parents (Llama layer
+    in AQ-MedAI's layout, MLA layer in lightseek's K2.5 layout and in its K2.6 EAGLE 3.1 one, whole vocabulary),
+    trained 60 steps when an integration test runs (the unit tests need their layouts, not their skill)."""
     from draftline.testing.kimi import make_tiny_kimi
 
-    return make_tiny_kimi(tmp_path_factory.mktemp("kimi"), DEMO, parent_steps=60, progress=False)
+    trained = any(item.get_closest_marker("integration") for item in request.session.items)
+    return make_tiny_kimi(tmp_path_factory.mktemp("kimi"), DEMO, parent_steps=60 if trained else 0, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -151,6 +151,11 @@ class FinetuneConfig(_Strict):
                             "layer), mla (DeepSeek-V3's MLA with a dense MLP, vLLM's Eagle3DeepseekV2ForCausalLM; "
                             "an MLA verifier only), or auto: the parent's, and for init=random MLA for an MLA "
                             "verifier (Kimi, DeepSeek-V3), Llama otherwise.")
+    parent_aux_convention: Literal["auto", "vllm", "sglang"] = Field(
+        "auto", description="Whose layers the parent's aux-layer ids name: vllm (the input of layer i: vLLM, "
+        "speculators, draftline) or sglang (the output of layer i: SpecForge, ModelOpt, TorchSpec); the data must "
+        "be captured at the layers the parent was trained on, and the export names them as vLLM reads them. auto: "
+        "the catalog's, draftline's registry or config, speculators' format; else refused.")
     fc_norm: bool | None = Field(None, description="EAGLE 3.1: one RMSNorm per aux hidden state before fc "
                                  "(fc_norm.{i}.weight) [default: the parent's; from random init, false: "
                                  "docs/kimi.md says why].")

@@ -20,6 +20,12 @@ speculators' format is ``transformer_layer_config`` plus the fields ``Speculator
 (``vllm/transformers_utils/configs/speculators``), and for a flat config the config itself (``EAGLEConfig`` copies
 its fields).
 
+Which layer an id names depends on the trainer that wrote it (docs/kimi.md, "Whose layer is id 2"): ``vllm`` (vLLM,
+speculators, draftline: the *input* of layer i, transformers' ``hidden_states[i]``) or ``sglang`` (SpecForge, ModelOpt,
+TorchSpec, and SGLang, which adds 1 to configured ids: the *output* of layer i). :func:`as_vllm_reads` turns a
+parent's ids into the ones vLLM must capture for the layers the parent was trained on; draftline's own flat
+configs say their convention (:data:`CONVENTION_KEY`).
+
 Light on purpose (no torch, no transformers): ``pull`` and ``observe`` call :func:`require_served_ids`.
 """
 
@@ -29,11 +35,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftline.errors import CheckpointError
+from draftline.errors import CheckpointError, ParentMismatch
 
 IDS = "eagle_aux_hidden_state_layer_ids"
 RUNNERS = {"v1": "vLLM's V1 runner (the CPU's)", "v2": "vLLM's Model Runner V2 (the GPU default)"}
 FIX = "re-export it with this draftline (draftline export --run <its finetune run>)"
+CONVENTIONS = {"vllm": 0, "sglang": 1}  # what to add to an id for vLLM's reading of it
+CONVENTION_KEY = "aux_layer_convention"  # in the flat configs draftline writes (vLLM and SGLang ignore it)
 _SPECULATORS_ARCHITECTURES = {"qwen3": "Eagle3Qwen3ForCausalLM", "llama": "Eagle3LlamaForCausalLM"}
 
 
@@ -43,8 +51,47 @@ def served_aux_fields(aux_layer_ids: list[int]) -> dict[str, Any]:
     (V2), ``eagle_config.eagle_aux_hidden_state_layer_ids`` (V1, SpecForge, SGLang) and ``num_aux_hidden_states``
     (the drafter's ``fc`` width), all from the same ids."""
     ids = [int(i) for i in aux_layer_ids]
-    return {IDS: ids, "num_aux_hidden_states": len(ids),
+    return {IDS: ids, "num_aux_hidden_states": len(ids), CONVENTION_KEY: "vllm",
             "eagle_config": {IDS: ids, "layer_ids": ids, "use_aux_hidden_state": True}}
+
+
+def parent_convention(asked: str, *, catalog: str | None, config: dict | None, registry: bool,
+                      parent: str) -> tuple[str, str]:
+    """``(convention, how it is known)`` of a parent's aux-layer ids: ``--parent-aux-convention``, else its
+    catalog entry, else draftline's own registry or config key, else speculators' format (vLLM-literal). A parent
+    none of these tell is refused: reading it wrong feeds ``fc`` every input one layer off."""
+    config = config or {}
+    if asked != "auto":
+        return asked, "--parent-aux-convention"
+    if catalog:
+        return catalog, "the parent catalog"
+    if registry:
+        return "vllm", "draftline's registry"
+    if config.get(CONVENTION_KEY) in CONVENTIONS:
+        return str(config[CONVENTION_KEY]), f"its config's {CONVENTION_KEY}"
+    if config.get("speculators_model_type"):
+        return "vllm", "speculators' format"
+    raise ParentMismatch(f"parent {parent}'s aux-layer ids {aux_of(config)} do not say whose layers they name: the input "
+                         "of layer i (vLLM, speculators) or its output (SpecForge, ModelOpt, TorchSpec, SGLang); "
+                         "pass --parent-aux-convention vllm or sglang, as its trainer wrote them")
+
+
+def as_vllm_reads(ids: list[int], convention: str, num_layers: int, parent: str) -> list[int]:
+    """The ids vLLM must capture for the layers ``ids`` name in ``convention`` (each one within the verifier's
+    ``num_layers``: id ``num_layers`` is the last layer's output, before the final norm)."""
+    shifted = [int(i) + CONVENTIONS[convention] for i in ids]
+    if max(shifted, default=0) > num_layers:
+        raise ParentMismatch(f"parent {parent}'s aux-layer ids {list(ids)} in the {convention} convention name the "
+                             f"inputs of layers {shifted}, past the verifier's {num_layers}: pass "
+                             "--parent-aux-convention vllm if its trainer meant the input of layer i")
+    return shifted
+
+
+def aux_of(config: dict) -> list[int] | None:
+    for holder in (config, config.get("eagle_config") or {}):
+        if holder.get(IDS):
+            return list(holder[IDS])
+    return None
 
 
 def vllm_view(config: dict) -> dict:

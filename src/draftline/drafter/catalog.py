@@ -28,6 +28,8 @@ class CatalogEntry(BaseModel):
     verifier: str | None = None
     description: str = ""
     local_dirs: list[str] = Field(default_factory=list)
+    # whose layers its aux-layer ids name (drafter/aux_ids.py): vllm, the input of layer i; sglang, the output
+    aux_convention: str | None = Field(None, pattern="^(vllm|sglang)$")
 
 
 def catalog_path() -> Path:

@@ -19,7 +19,7 @@ from speculators.proposals.greedy import GreedyTokenProposalConfig
 from transformers import AutoConfig, LlamaConfig
 
 from draftline.drafter import mla
-from draftline.drafter.aux_ids import served_aux_fields
+from draftline.drafter.aux_ids import CONVENTION_KEY, served_aux_fields
 from draftline.drafter.form import EagleForm
 from draftline.drafter.form import split as split_form
 from draftline.errors import ConfigError, DataError, ParentMismatch
@@ -363,6 +363,7 @@ def specforge_config(layer, *, draft_vocab_size: int, aux_layer_ids: list[int], 
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
         # explicit: SpecForge reads an absent norm_output as true, vLLM and SGLang as false
         **form.fields(), "norm_before_residual": norm_before_residual,
+        CONVENTION_KEY: "vllm",  # whose layers the ids name: the input of layer i, as vLLM captures them
     }
     scaling = (getattr(layer, "rope_parameters", None) or {}) if isinstance(
         getattr(layer, "rope_parameters", None), dict) else {}

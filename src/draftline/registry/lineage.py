@@ -21,7 +21,7 @@ VERIFIER_IDENTITY_FILE = "draftline_verifier.json"
 # Model-version tags copied from the finetune run's params.
 VERSION_TAG_PARAMS = (
     "init", "parent.name", "parent.source", "parent.revision", "parent.sha256", "parent.layout",
-    "parent.key_remap", "vocab.policy", "vocab.draft_size", "verifier.name_or_path", "verifier.aux_layers",
+    "parent.key_remap", "parent.aux_convention", "vocab.policy", "vocab.draft_size", "verifier.name_or_path", "verifier.aux_layers",
     "verifier.revision", "verifier.trust_remote_code", "verifier.model_type", "data.digest", "train.pairing",
     "drafter.layer", "drafter.eagle", "drafter.fc_norm", "drafter.norm_output",
     "eval.data.digest",

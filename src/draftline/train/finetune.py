@@ -23,6 +23,8 @@ from draftline.console import say
 from draftline.data.refs import dataset_name, resolve_data
 from draftline.data.shards import PreparedData, open_prepared
 from draftline.drafter import attention, form, handoff
+from draftline.drafter.aux_ids import as_vllm_reads, aux_of, parent_convention
+from draftline.drafter.catalog import load_catalog
 from draftline.drafter.checkpoints import CheckpointFiles, detect_layout, draft_vocab, find_checkpoint, read_header
 from draftline.drafter.form import split as split_form
 from draftline.drafter.form import with_form
@@ -256,6 +258,22 @@ class _Inputs:
     measured: bool  # the precision was "auto"
     conf: dict  # the DeepSpeed config the ranks run
     world_size: int  # ranks on every node of the job
+    aux_convention: str  # whose layers the parent's aux-layer ids name (vllm | sglang | none)
+
+
+def _parent_reads(cfg: FinetuneConfig, parent: Parent, files: CheckpointFiles | None,
+                  manifest: dict) -> tuple[str, list[int] | None]:
+    """``(convention, ids)``: whose layers the parent's aux-layer ids name, and the ids vLLM captures for them
+    (what the data must hold, and what the export writes); ``("none", None)`` without a parent or ids."""
+    own = aux_of((files.config or {}) if files is not None else {})
+    if files is None or not own:
+        return "none", None
+    entry = load_catalog().get(parent.init)
+    convention, _ = parent_convention(cfg.parent_aux_convention, catalog=entry.aux_convention if entry else None,
+                                      config=files.config, registry=parent.model_version is not None,
+                                      parent=parent.name)
+    layers = int(hf_model.load_text_config(manifest["verifier"]).num_hidden_layers)
+    return convention, as_vllm_reads(own, convention, layers, parent.name)
 
 
 def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, on_cpu: bool,
@@ -292,9 +310,11 @@ def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, 
                                          parent=None if files is None else parent.name,
                                          parent_config=files.config if files else None,
                                          parent_keys=header or (), aux_layers=len(manifest["aux_layer_ids"])))
+    convention, reads = _parent_reads(cfg, parent, files, manifest)
     # every check a rank would make (keys, shapes, vocabulary, aux layers), before hashing and launch
     preflight.preflight(verifier=manifest["verifier"], layer=layer, manifest=manifest, vocab=vocab,
-                        parent_files=files, header=header, vocab_policy=cfg.vocab, parent_name=parent.name)
+                        parent_files=files, header=header, vocab_policy=cfg.vocab, parent_name=parent.name,
+                        parent_aux_layers=reads)
     chosen = precision.choose(cfg.precision, on_cpu=on_cpu, hidden=int(layer["hidden_size"]),
                               intermediate=int(layer["intermediate_size"]),
                               resumed=resumed_precision(resume_run) if resume_run else None)
@@ -307,7 +327,7 @@ def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, 
     preflight.check_ds_config(conf, ds_config_path(cfg), world_size=gpus * nodes)
     return _Inputs(cfg=cfg, data=data, data_run_id=data_run_id, eval_data=eval_data, parent=parent, files=files,
                    layout=layout, remap=remap, vocab=vocab, counts=counts, layer=layer, chosen=chosen,
-                   measured=measured, conf=conf, world_size=gpus * nodes)
+                   measured=measured, conf=conf, world_size=gpus * nodes, aux_convention=convention)
 
 
 def steps_for_epochs(cfg: FinetuneConfig, manifest: dict, world_size: int, held_out: bool) -> int:
@@ -327,6 +347,7 @@ def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
     manifest = inputs.data.manifest
     return {
         **lineage.parent_params(parent, sha256=sha, layout=inputs.layout, key_remap=inputs.remap),
+        "parent.aux_convention": inputs.aux_convention,
         "vocab.policy": cfg.vocab if not parent.is_random else "rebuild",
         "vocab.draft_size": counts["draft_size"],
         "vocab.kept": counts["kept"], "vocab.added": counts["added"], "vocab.dropped": counts["dropped"],

@@ -174,11 +174,15 @@ def check_parent_files(name: str, files, header: dict, manifest: dict) -> None:
 
 def preflight(*, verifier: str, layer: dict, manifest: dict, vocab: dict[str, torch.Tensor],
               parent_files=None, header: dict | None = None, vocab_policy: str = "parent",
-              parent_name: str | None = None) -> dict[str, float]:
-    """Every check before launch; returns ``{"seconds": ...}``. Raises the first problem found."""
+              parent_name: str | None = None, parent_aux_layers: list[int] | None = None) -> dict[str, float]:
+    """Every check before launch; returns ``{"seconds": ...}``. Raises the first problem found.
+    ``parent_aux_layers``: the ids vLLM captures for the layers the parent was trained on
+    (:func:`draftline.drafter.aux_ids.as_vllm_reads`); default: its config's, read literally."""
     t0 = time.perf_counter()
 
-    aux = (aux_of(parent_files.config) if parent_files is not None else None) or manifest["aux_layer_ids"]
+    if parent_aux_layers is None and parent_files is not None:
+        parent_aux_layers = aux_of(parent_files.config)
+    aux = parent_aux_layers or manifest["aux_layer_ids"]
     check_verifier(verifier, layer, manifest)
     shapes = drafter_shapes(verifier, layer, aux_layer_ids=aux, draft_vocab_size=int(vocab["d2t"].numel()))
     check_data(shapes, manifest, aux, f"parent {parent_name}" if parent_name and parent_files is not None else

@@ -183,3 +183,26 @@ def test_pull_refuses_a_version_whose_ids_a_runner_would_ignore_and_leaves_dest_
     fetch_directory(source, tmp_path / "kept", cache=BlobCache())  # without the check (a parent's fetch): pulled
     r = CliRunner().invoke(cli, ["pull", "--verify-only", str(tmp_path / "kept")])  # every sha256 fine, ids not
     assert r.exit_code == 1 and "re-export it with this draftline" in r.output
+
+
+def test_a_parents_convention_is_asked_read_or_refused_and_its_ids_moved_for_vllm():
+    from draftline.drafter.aux_ids import as_vllm_reads, parent_convention
+    from draftline.errors import ParentMismatch
+
+    specforge = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
+    assert parent_convention("sglang", catalog="vllm", config={}, registry=False, parent="p")[0] == "sglang"
+    assert parent_convention("auto", catalog="sglang", config=specforge, registry=False, parent="p") == (
+        "sglang", "the parent catalog")
+    assert parent_convention("auto", catalog=None, config={}, registry=True, parent="p")[0] == "vllm"
+    assert parent_convention("auto", catalog=None, config={"aux_layer_convention": "vllm"}, registry=False,
+                             parent="p")[0] == "vllm"
+    assert parent_convention("auto", catalog=None, config={"speculators_model_type": "eagle3"}, registry=False,
+                             parent="p")[0] == "vllm"
+    with pytest.raises(ParentMismatch, match=r"parent p's aux-layer ids \[1, 29, 57\] do not say whose layers"):
+        parent_convention("auto", catalog=None, config=specforge, registry=False, parent="p")
+    # Kimi-K2.5's 61 layers: SpecForge's default names the inputs of layers 2, 30, 58 as vLLM counts them
+    assert as_vllm_reads([1, 29, 57], "sglang", 61, "p") == [2, 30, 58]
+    assert as_vllm_reads([2, 30, 58], "vllm", 61, "p") == [2, 30, 58]
+    assert as_vllm_reads([2, 30, 61], "vllm", 61, "p") == [2, 30, 61]  # 61: the last layer's output
+    with pytest.raises(ParentMismatch, match=r"inputs of layers \[3, 31, 62\], past the verifier's 61"):
+        as_vllm_reads([2, 30, 61], "sglang", 61, "p")

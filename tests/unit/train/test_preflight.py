@@ -195,3 +195,35 @@ def test_a_ds_config_deepspeed_refuses_is_refused_in_one_line_before_the_run_exi
     client = mlflow.MlflowClient(f"sqlite:///{workspace / 'mlflow.db'}")
     assert not client.search_runs([e.experiment_id for e in client.search_experiments()])  # no run, FAILED or other
     assert not (workspace / "work").exists() or not list((workspace / "work").glob("*/worker_spec.json"))
+
+
+def test_whose_layers_a_parents_ids_name_is_known_or_asked_and_the_data_must_hold_those(workspace, prepared, tiny,
+                                                                                         tmp_path):
+    """A parent whose config does not say its ids' convention is refused until told; told sglang (the output of
+    layer i), the data must hold the inputs of the next layers, as vLLM captures them; an id moved past the
+    verifier's last layer is refused. Each in one line, before any run."""
+    unmarked = tmp_path / "unmarked"
+    unmarked.mkdir()
+    (unmarked / "model.safetensors").symlink_to(tiny["parent"] / "model.safetensors")
+    config = json.loads((tiny["parent"] / "config.json").read_text())
+    config.pop("aux_layer_convention")
+    (unmarked / "config.json").write_text(json.dumps(config))
+    ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+
+    def finetune(*extra):
+        return CliRunner().invoke(cli, ["finetune", "--data", str(prepared), "--init", str(unmarked), "--gpus", "1",
+                                        *extra], catch_exceptions=False)
+
+    asked = finetune()
+    assert asked.exit_code == 2 and "do not say whose layers they name" in asked.output, asked.output
+    assert "pass --parent-aux-convention vllm or sglang" in asked.output
+    shifted = finetune("--parent-aux-convention", "sglang")
+    moved = [i + 1 for i in ids]
+    assert shifted.exit_code == 1, shifted.output
+    assert f"reads {moved}: prepare the data with --aux-layers {','.join(map(str, moved))}" in shifted.output
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [*ids[:-1], 8]  # the tiny verifier's 8 layers
+    (unmarked / "config.json").write_text(json.dumps(config))
+    past = finetune("--parent-aux-convention", "sglang")
+    assert past.exit_code == 2 and "past the verifier's 8" in past.output, past.output
+    assert "Traceback" not in asked.output + shifted.output + past.output
+    assert _runs(workspace) == 0
