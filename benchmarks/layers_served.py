@@ -37,23 +37,27 @@ def _evaluate(run_id: str, evalset: str, max_new_tokens: int, concurrency: str) 
         return {"not_served": str(e)}
 
 
-def summarize(sides: dict[str, dict], paired: dict | None) -> dict[str, str]:
+def summarize(sides: dict[str, dict], paired: dict | None, label: str = "mla - llama") -> dict[str, str]:
     """The headline lines of a result (``python -m benchmarks.layers_served FILE`` writes them again)."""
     summary = {}
-    for layer, s in sides.items():
+    for name, s in sides.items():
         if "not_served" in s:
-            summary[f"{layer} served"] = f"not served here: {s['not_served'][:160]}"
+            summary[f"{name} served"] = f"not served here: {s['not_served'][:160]}"
             continue
         speed = ", ".join(f"{c} x{v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]" for c, v in s["speedup"].items())
-        summary[f"{layer} served"] = (f"{s['served']:.3f} [{s['served_low']:.3f}, {s['served_high']:.3f}] on "
-                                      f"{s['prompts']} prompts; speed-up {speed}; trained params "
-                                      f"{s['trained_params']:,}; training {s['train_tokens_per_s']:.0f} tokens/s")
+        summary[f"{name} served"] = (f"{s['served']:.3f} [{s['served_low']:.3f}, {s['served_high']:.3f}] on "
+                                     f"{s['prompts']} prompts; speed-up {speed}; trained params "
+                                     f"{s['trained_params']:,}; training {s['train_tokens_per_s']:.0f} tokens/s")
     if paired:
-        summary["mla - llama, paired by prompt"] = f"{paired['value']:+.3f} [{paired['low']:+.3f}, {paired['high']:+.3f}]"
+        summary[f"{label}, paired by prompt"] = f"{paired['value']:+.3f} [{paired['low']:+.3f}, {paired['high']:+.3f}]"
     return summary
 
 
-def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24, concurrency: str = "1") -> dict:
+def compare(sides: dict[str, list[str]], *, steps: int, seed: int, max_new_tokens: int,
+            concurrency: str) -> tuple[dict[str, dict], dict | None, str, str]:
+    """Finetune one drafter per side (its flags) from the Kimi demo's data at equal steps and seed, evaluate
+    each by vLLM on the same held-out prompts; ``(sides, paired: the second minus the first, by prompt, data,
+    evaluation set)``."""
     os.environ.setdefault("DRAFTLINE_TINY_KIMI_DIR", str(ROOT / "work" / "tiny-kimi"))
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlflow.db'}")
     from mlflow import MlflowClient
@@ -62,34 +66,47 @@ def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24, concurrency: 
 
     client = MlflowClient()
     data, evalset = (f"runs:/{latest_run('prepare', name)}/data" for name in ("conversations", "evaluation"))
-    sides: dict[str, dict] = {}
-    for layer in LAYERS:
-        run_id = finetune_kimi(data, evalset, steps=steps, seed=seed, side=["--init", "random", "--drafter-layer", layer])
+    out: dict[str, dict] = {}
+    for name, flags in sides.items():
+        run_id = finetune_kimi(data, evalset, steps=steps, seed=seed, side=flags)
         train = client.get_run(run_id).data
-        out = _evaluate(run_id, evalset, max_new_tokens, concurrency)
+        evaluated = _evaluate(run_id, evalset, max_new_tokens, concurrency)
         plan = client.download_artifacts(run_id, "plan.json", tempfile.mkdtemp())
-        side = {"finetune_run": run_id, "trained_params": json.loads(Path(plan).read_text())["trainable"],
+        side = {"finetune_run": run_id, "flags": flags,
+                "trained_params": json.loads(Path(plan).read_text())["trainable"],
                 "train_tokens_per_s": train.metrics.get("train/tokens_per_s"),
                 "val_acceptance_length": train.metrics.get("val/acceptance_length")}
-        if "not_served" in out:
-            side["not_served"] = out["not_served"]
+        if "not_served" in evaluated:
+            side["not_served"] = evaluated["not_served"]
         else:
-            metrics = client.get_run(out["run_id"]).data.metrics
-            side.update(evaluation_run=out["run_id"], served=out["measured_acceptance_length"],
+            metrics = client.get_run(evaluated["run_id"]).data.metrics
+            side.update(evaluation_run=evaluated["run_id"], served=evaluated["measured_acceptance_length"],
                         served_low=metrics.get("eval/measured/acceptance_length_low"),
-                        served_high=metrics.get("eval/measured/acceptance_length_high"), prompts=out["prompts"],
-                        speedup={c: v for c, v in out.get("speedup", {}).items()})
-        sides[layer] = side
+                        served_high=metrics.get("eval/measured/acceptance_length_high"),
+                        prompts=evaluated["prompts"],
+                        speedup={c: v for c, v in evaluated.get("speedup", {}).items()})
+        out[name] = side
     paired = None
-    if all("evaluation_run" in s for s in sides.values()):
-        mla, llama = (read_per_prompt(client, sides[k]["evaluation_run"]) for k in ("mla", "llama"))
-        d = paired_difference(mla, llama) if mla and llama else None
+    first, second = list(out)
+    if all("evaluation_run" in s for s in out.values()):
+        b, a = (read_per_prompt(client, out[k]["evaluation_run"]) for k in (second, first))
+        d = paired_difference(b, a) if a and b else None
         if d is not None:
             paired = {"value": d.value, "low": d.low, "high": d.high, "prompts": d.n}
-    return {"summary": summarize(sides, paired), "shape": "kimi", "sides": sides, "paired_mla_minus_llama": paired, "steps": steps,
-            "seed": seed,
-            "data": data, "evaluation_set": evalset, "max_new_tokens": max_new_tokens, "concurrency": concurrency,
-            "amx": "amx" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else None,
+    return out, paired, data, evalset
+
+
+def cpu_has_amx() -> bool | None:
+    return "amx" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else None
+
+
+def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24, concurrency: str = "1") -> dict:
+    sides, paired, data, evalset = compare({layer: ["--init", "random", "--drafter-layer", layer]
+                                            for layer in LAYERS}, steps=steps, seed=seed,
+                                           max_new_tokens=max_new_tokens, concurrency=concurrency)
+    return {"summary": summarize(sides, paired), "shape": "kimi", "sides": sides, "paired_mla_minus_llama": paired,
+            "steps": steps, "seed": seed, "data": data, "evaluation_set": evalset, "max_new_tokens": max_new_tokens,
+            "concurrency": concurrency, "amx": cpu_has_amx(),
             "method": "from random init, the same vLLM-answered data, steps, seed, draft vocabulary 256, lr 3e-3, "
                       "ZeRO-2 on 2 CPU ranks; evaluate on vLLM (bf16) on the same held-out prompts, k=3; "
                       "intervals: bootstrap over prompts (95%), paired by prompt for the difference"}

@@ -69,6 +69,12 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
         ("--seed", dict(type=int, default=0, metavar="N", help="the seed of both (default: %(default)s)")),
         ("--max-new-tokens", dict(type=int, default=24, metavar="N", help="tokens per prompt (default: %(default)s)")),
         ("--concurrency", dict(default="1", metavar="C,C", help="speed-up concurrencies (default: %(default)s)"))]),
+    "eagle-forms": ("EAGLE 3.0 vs 3.1 MLA Kimi drafter at equal data and steps, served by vLLM (after "
+                    "./demo_kimi.sh)", [
+        steps("finetune steps of each drafter", default=100),
+        ("--seed", dict(type=int, default=0, metavar="N", help="the seed of both (default: %(default)s)")),
+        ("--max-new-tokens", dict(type=int, default=24, metavar="N", help="tokens per prompt (default: %(default)s)")),
+        ("--concurrency", dict(default="1", metavar="C,C", help="speed-up concurrencies (default: %(default)s)"))]),
     "fp8-shards": ("fp8 vs bf16 shards of the same capture: served acceptance by vLLM and bytes (after "
                    "./demo_kimi.sh or ./demo_real.sh)", [
         ("--shape", dict(default="kimi", choices=("kimi", "smollm2"),

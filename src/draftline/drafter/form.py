@@ -72,7 +72,9 @@ def fc_norms(keys: Iterable[str]) -> int:
     return sum(1 for k in keys if FC_NORM_KEY.match(k))
 
 
-DEFAULT = EagleForm()  # from random init; docs/kimi.md says why
+# from random init: 3.0, as every published 3.0 parent; the miniature cannot tell 3.0 and 3.1 apart (eagle-forms:
+# paired +0.064 [-0.160, +0.289]), docs/kimi.md says more
+DEFAULT = EagleForm()
 
 
 def check_tensors(name: str, form: EagleForm, keys: Iterable[str], aux_layers: int) -> None:
