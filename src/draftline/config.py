@@ -38,6 +38,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+AuxConvention = Literal["auto", "vllm", "sglang"]
+AUX_CONVENTION_HELP = ("Whose layers the parent's aux-layer ids name: vllm (the input of layer i: vLLM, speculators, "
+                       "draftline) or sglang (the output of layer i: SpecForge, ModelOpt, TorchSpec). auto: the "
+                       "catalog's, draftline's registry or config, speculators' format; else refused.")
+
+
 class PrepareConfig(_Strict):
     conversations: str = Field(description="Conversations or prompts: a JSONL/JSON file or a Hugging Face "
                                "dataset directory (save_to_disk) of OpenAI `messages`, ShareGPT `conversations`, "
@@ -151,11 +157,9 @@ class FinetuneConfig(_Strict):
                             "layer), mla (DeepSeek-V3's MLA with a dense MLP, vLLM's Eagle3DeepseekV2ForCausalLM; "
                             "an MLA verifier only), or auto: the parent's, and for init=random MLA for an MLA "
                             "verifier (Kimi, DeepSeek-V3), Llama otherwise.")
-    parent_aux_convention: Literal["auto", "vllm", "sglang"] = Field(
-        "auto", description="Whose layers the parent's aux-layer ids name: vllm (the input of layer i: vLLM, "
-        "speculators, draftline) or sglang (the output of layer i: SpecForge, ModelOpt, TorchSpec); the data must "
-        "be captured at the layers the parent was trained on, and the export names them as vLLM reads them. auto: "
-        "the catalog's, draftline's registry or config, speculators' format; else refused.")
+    parent_aux_convention: AuxConvention = Field("auto", description=AUX_CONVENTION_HELP + " The data must be "
+                                                 "captured at the layers the parent was trained on, and the export "
+                                                 "names them as vLLM reads them.")
     fc_norm: bool | None = Field(None, description="EAGLE 3.1: one RMSNorm per aux hidden state before fc "
                                  "(fc_norm.{i}.weight) [default: the parent's; from random init, false: "
                                  "docs/kimi.md says why].")
@@ -296,6 +300,9 @@ class EvaluateConfig(_Strict):
     draft_cost_ratio: float = Field(0.05, gt=0.0, le=1.0, description="Cost of one draft step relative to one "
                                     "verifier step, for the recommended num_speculative_tokens.")
     tokens_per_batch: int = Field(4096, ge=16, description="Packed tokens per teacher-forced batch.")
+    parent_aux_convention: AuxConvention = Field("auto", description=AUX_CONVENTION_HELP + " For a parent "
+                                                 "target: it is served and loaded with the ids vLLM captures for "
+                                                 "those layers.")
 
     @field_validator("speed_concurrency")
     @classmethod

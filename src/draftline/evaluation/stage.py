@@ -221,7 +221,8 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
     verifier_dir = _verifier(cfg, manifest)
     hf_model.trust_as_recorded(verifier_dir, manifest.get("verifier_trust_remote_code"))
     target = resolve_target(cfg.target, cache=work_dir() / "cache", checkpoint=cfg.checkpoint,
-                            experiment_id=tracking.experiment_id())
+                            experiment_id=tracking.experiment_id(), aux_convention=cfg.parent_aux_convention,
+                            verifier_layers=int(hf_model.load_text_config(verifier_dir).num_hidden_layers))
     drafter = load_drafter(target, verifier_dir, manifest["aux_layer_ids"], ttt_steps=cfg.num_speculative_tokens)
     backend = backend_of(cfg, verifier_dir, mla_drafter=is_mla_drafter(drafter))
     records = data.records()

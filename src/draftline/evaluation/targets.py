@@ -14,6 +14,8 @@ import torch
 from mlflow.exceptions import MlflowException
 
 from draftline import tracking
+from draftline.drafter.aux_ids import as_vllm_reads, aux_of, parent_convention, served_aux_fields
+from draftline.drafter.catalog import load_catalog
 from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
 from draftline.drafter.handoff import fetch_weights, write_weights
 from draftline.drafter.loading import load_drafter as load
@@ -60,8 +62,12 @@ def _finetune_run(client, ref: str):
     return run
 
 
-def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str) -> Target:
-    """Find ``ref`` on local disk (downloading from MLflow where it lives there)."""
+def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str, aux_convention: str = "auto",
+                   verifier_layers: int | None = None) -> Target:
+    """Find ``ref`` on local disk (downloading from MLflow where it lives there). A parent whose aux-layer ids
+    name layer outputs (``aux_convention`` sglang, or its catalog's) is given as a copy whose config names the
+    same layers as vLLM counts them (its weights linked), so that vLLM and the in-process chain read the layers
+    it was trained on."""
     client = tracking.client()
     run = _finetune_run(client, ref.strip())
     if run is not None:
@@ -86,10 +92,35 @@ def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str
     files = find_checkpoint(parent.path)
     layout = detect_layout(read_header(files))
     sha = files_digest(files.weights)
+    path = _as_vllm_counts(parent, files.config or {}, aux_convention, verifier_layers, cache / "evaluate" /
+                           f"parent-{sha[:16]}")
     model_id = lineage.parent_model_id(client, parent, sha256=sha, layout=layout, experiment_id=experiment_id)
     return Target(ref=ref, kind="registered" if parent.model_version else "external",
-                  name=parent.model_version or parent.name, path=parent.path, sha256=sha, layout=layout,
+                  name=parent.model_version or parent.name, path=path, sha256=sha, layout=layout,
                   model_id=model_id)
+
+
+def _as_vllm_counts(parent, config: dict, asked: str, layers: int | None, dest: Path) -> Path:
+    """The parent's directory, or (ids in the sglang convention) a copy of it whose config names the layers as
+    vLLM counts them."""
+    own = aux_of(config)
+    if not own or parent.path is None:
+        return parent.path
+    entry = load_catalog().get(parent.init)
+    convention, _ = parent_convention(asked, catalog=entry.aux_convention if entry else None, config=config,
+                                      registry=parent.model_version is not None, parent=parent.name)
+    if convention == "vllm":
+        return parent.path
+    ids = as_vllm_reads(own, convention, layers if layers is not None else max(own) + 1, parent.name)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in parent.path.iterdir():
+        if f.name != "config.json":
+            (dest / f.name).symlink_to(f.resolve())
+    nested = {**(config.get("eagle_config") or {}), **served_aux_fields(ids)["eagle_config"]}
+    (dest / "config.json").write_text(json.dumps({**config, **served_aux_fields(ids), "eagle_config": nested},
+                                                 indent=2) + "\n")
+    return dest
 
 
 def load_drafter(target: Target, verifier: str, aux_layer_ids: list[int], *, ttt_steps: int,
