@@ -252,7 +252,8 @@ def part_finetune(shape: str, work: Path) -> dict:
 
     cfg = FinetuneConfig(data=str(inputs["data"]), init=str(inputs["parent"]), steps=size["steps"], zero_stage=2,
                          gpus=1 if _cuda() else 0, tokens_per_batch=size["tokens"], val_fraction=0.0,
-                         save_every=size["steps"], warmup_steps=2)
+                         save_every=size["steps"], warmup_steps=2,
+                         parent_aux_convention="vllm")  # gpu_inputs writes it for data captured at its ids as vLLM counts
     t = time.perf_counter()
     ft = finetune.run(cfg)
     ft_s = time.perf_counter() - t

@@ -94,8 +94,11 @@ def all_of(checks: Iterable[Callable[[], object]]) -> None:
     if len(found) == 1:
         raise found[0]
     if found:
-        error = type(found[0])(f"{len(found)} problems: " + "; ".join(f"({i}) {e}" for i, e in enumerate(found, 1)))
-        error.exit_code = max((e.exit_code for e in found if e.exit_code != ServerUnavailable.exit_code),
-                              default=found[0].exit_code)
+        code = max((e.exit_code for e in found if e.exit_code != ServerUnavailable.exit_code),
+                   default=found[0].exit_code)
+        kind = type(found[0]) if all(type(e) is type(found[0]) for e in found) else \
+            UsageError if code == UsageError.exit_code else DraftlineError
+        error = kind(f"{len(found)} problems: " + "; ".join(f"({i}) {e}" for i, e in enumerate(found, 1)))
+        error.exit_code = code
         error.problems = found  # type: ignore[attr-defined]
         raise error

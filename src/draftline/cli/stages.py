@@ -135,10 +135,12 @@ def export(config_file, **flags):
     check_runs({"--run": cfg.run})  # a finetune that finished: its drafter was handed on
     check_store(read_only=False)
     from draftline import tracking
+    from draftline.registry.retry import retrying
     from draftline.registry.versions import check_may_register
 
     tracking.setup()
-    check_may_register(tracking.client(), cfg.registered_model)  # refused before minutes of work, not after
+    retrying(f"check the right to register a version of {cfg.registered_model}",  # before minutes of work
+             lambda: check_may_register(tracking.client(), cfg.registered_model))
     from draftline.export.stage import run
 
     _result(run, cfg)

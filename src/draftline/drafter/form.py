@@ -77,6 +77,15 @@ def fc_norms(keys: Iterable[str]) -> int:
 DEFAULT = EagleForm()
 
 
+def of_checkpoint(config: dict[str, Any] | None, keys: Iterable[str], aux_layers: int) -> EagleForm:
+    """The form a checkpoint is in: its config's, where it says ``fc_norm``; where it does not, its tensors'
+    (one ``fc_norm.{i}.weight`` per aux layer: 3.1's norms, whatever the config forgot to say)."""
+    stated = EagleForm.of_config(config)
+    if "fc_norm" not in (config or {}) and fc_norms(keys) == aux_layers:
+        return EagleForm(fc_norm=True, norm_output=stated.norm_output)
+    return stated
+
+
 def check_tensors(name: str, form: EagleForm, keys: Iterable[str], aux_layers: int) -> None:
     """A drafter's config and its tensors agree on ``fc_norm``: one norm per aux layer where it says so, none
     where it does not."""
@@ -98,10 +107,8 @@ def choose(*, fc_norm: bool | None, norm_output: bool | None, parent: str | None
     if parent is None:
         return EagleForm(fc_norm=DEFAULT.fc_norm if fc_norm is None else fc_norm,
                          norm_output=DEFAULT.norm_output if norm_output is None else norm_output)
-    own = EagleForm.of_config(parent_config)
     keys = list(parent_keys)
-    if "fc_norm" not in (parent_config or {}) and fc_norms(keys) == aux_layers:
-        own = EagleForm(fc_norm=True, norm_output=own.norm_output)  # a config that does not say: the tensors do
+    own = of_checkpoint(parent_config, keys, aux_layers)
     check_tensors(f"parent {parent}", own, keys, aux_layers)
     asked = {"fc_norm": fc_norm, "norm_output": norm_output}
     differ = [k for k, v in asked.items() if v is not None and v != getattr(own, k)]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from draftline.drafter.checkpoints import draft_vocab, find_checkpoint, load_into_model
-from draftline.drafter.form import FORM_KEY, EagleForm, with_form
+from draftline.drafter.checkpoints import draft_vocab, find_checkpoint, load_into_model, read_header
+from draftline.drafter.form import FORM_KEY, of_checkpoint, with_form
 from draftline.drafter.model import build_draft_model
 from draftline.drafter.shape import aux_layer_ids as aux_of
 from draftline.drafter.shape import default_aux_layers, layer_config, require_aux_layers
@@ -40,12 +40,13 @@ def load_drafter(verifier_dir: str | Path, drafter_dir: str | Path, *, aux_layer
                               draft_vocab_size=int(vocab["d2t"].numel()), ttt_steps=ttt_steps, attn_impl="sdpa",
                               dtype=dtype or torch.float32,
                               norm_before_residual=bool(config.get("norm_before_residual", False)),
-                              layer=_with_own_form(layer or layer_config(str(verifier_dir), config or None), config))
+                              layer=_with_own_form(layer or layer_config(str(verifier_dir), config or None), config,
+                                                   read_header(files), len(aux)))
     load_into_model(model, files)
     return model.eval()
 
 
-def _with_own_form(layer: dict, config: dict) -> dict:
-    """The layer in the EAGLE form the drafter's own config states, unless the layer already carries one (a
-    finetune run's hand-off)."""
-    return layer if FORM_KEY in layer else with_form(layer, EagleForm.of_config(config))
+def _with_own_form(layer: dict, config: dict, keys, aux_layers: int) -> dict:
+    """The layer in the EAGLE form the drafter's own checkpoint is in (as finetune reads a parent), unless the
+    layer already carries one (a finetune run's hand-off)."""
+    return layer if FORM_KEY in layer else with_form(layer, of_checkpoint(config, keys, aux_layers))

@@ -21,7 +21,7 @@ from draftline.drafter.checkpoints import (
     read_header,
     to_midlayer_layout,
 )
-from draftline.drafter.form import EagleForm
+from draftline.drafter.form import EagleForm, of_checkpoint, with_form
 from draftline.drafter.shape import aux_layer_ids, layer_config, rope_theta, specforge_config
 from draftline.errors import CheckpointError
 from draftline.train.preflight import drafter_shapes
@@ -37,7 +37,9 @@ def check_reload(model, out: Path, verifier: str) -> dict[str, int]:
     header = read_header(files)
     if detect_layout(header) != "midlayer":
         raise CheckpointError(f"export validation failed: {out} is not in the midlayer layout")
-    layer = layer_config(verifier, files.config)  # as finetune builds the drafter for init=<out>
+    aux = aux_layer_ids(files.config)
+    # as finetune builds the drafter for init=<out>, in the EAGLE form its files are in
+    layer = with_form(layer_config(verifier, files.config), of_checkpoint(files.config, header, len(aux or [])))
     fields = dict(layer)
     theirs = AutoConfig.for_model(fields.pop("model_type"), **fields)
     ours = model.config.transformer_layer_config
@@ -48,7 +50,6 @@ def check_reload(model, out: Path, verifier: str) -> dict[str, int]:
     if wrong:
         raise CheckpointError(f"export validation failed: {out / 'config.json'} describes another layer: "
                               + ", ".join(wrong))
-    aux = aux_layer_ids(files.config)
     if aux != list(model.config.eagle_aux_hidden_state_layer_ids):
         raise CheckpointError(f"export validation failed: {out} names aux layers {aux}, the drafter "
                               f"{model.config.eagle_aux_hidden_state_layer_ids}")

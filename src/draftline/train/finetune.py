@@ -135,7 +135,7 @@ def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, dr
                                   gpu_memory_gib=None if on_cpu else gpu_memory_gib(),
                                   tokens_per_batch=cfg.tokens_per_batch, ttt_steps=cfg.ttt_steps,
                                   precision="bf16" if cfg.precision == "auto" else cfg.precision,
-                                  attn_impl=cfg.attn_impl, zero_stage=cfg.zero_stage,
+                                  attn_impl=cfg.attn_impl, zero_stage=cfg.zero_stage, steps=cfg.steps,
                                   name=f"verifier {verifier}, draft vocabulary {draft_vocab_size}")
     except Exception as e:  # noqa: BLE001 (an estimate must not stop a training run)
         say(f"plan: not computed ({type(e).__name__}: {e})")
@@ -267,6 +267,9 @@ def _parent_reads(cfg: FinetuneConfig, parent: Parent, files: CheckpointFiles | 
     (what the data must hold, and what the export writes); ``("none", None)`` without a parent or ids."""
     own = aux_of((files.config or {}) if files is not None else {})
     if files is None or not own:
+        if cfg.parent_aux_convention != "auto":
+            say(f"--parent-aux-convention {cfg.parent_aux_convention} is not used: "
+                + ("a random init has no aux-layer ids" if files is None else f"parent {parent.name} names none"))
         return "none", None
     entry = load_catalog().get(parent.init)
     convention, _ = parent_convention(cfg.parent_aux_convention, catalog=entry.aux_convention if entry else None,

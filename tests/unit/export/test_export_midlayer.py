@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks.common import AUX, SHAPES
+from draftline.drafter.form import EagleForm, with_form
 from draftline.drafter.shape import layer_config, verifier_config
 from draftline.errors import CheckpointError
 from draftline.export.midlayer import check_reload, write_midlayer
@@ -29,14 +30,14 @@ def _verifier(root, s):
     return str(root)
 
 
-def _drafter(verifier, s):
-    """A drafter of shape ``s`` with random bf16 weights; the verifier-owned tensors (embeddings, verifier head)
-    stay on the meta device, since no layout writes them."""
+def _drafter(verifier, s, form=EagleForm()):
+    """A drafter of shape ``s`` in EAGLE ``form`` with random bf16 weights; the verifier-owned tensors (embeddings,
+    verifier head) stay on the meta device, since no layout writes them."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
     parent_cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"],
                   **{k: s[k] for k in LAYER_KEYS}}
-    layer = layer_config(verifier, parent_cfg)
+    layer = with_form(layer_config(verifier, parent_cfg), form)
     config = verifier_config(verifier, draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=AUX, layer=layer)
     config.transformer_layer_config._attn_implementation = "sdpa"
     previous = torch.get_default_dtype()
@@ -48,7 +49,7 @@ def _drafter(verifier, s):
         torch.set_default_dtype(previous)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name in ("layers", "fc", "norm", "lm_head"):
+        for name in ("layers", "fc", "norm", "lm_head", *(("fc_norm",) if form.fc_norm else ())):
             module = getattr(model, name).to_empty(device="cpu")
             for p in module.parameters():
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * 0.02)
@@ -94,3 +95,16 @@ def round_trip(shape: str, tmp_path) -> None:
     assert "rope_theta 10000.0 (drafter 1000000.0)" in str(e.value)
     if shape == "real":
         assert "head_dim 112 (drafter 128)" in str(e.value)
+
+
+def test_an_eagle_31_drafter_round_trips_with_its_norms_and_says_its_form(tmp_path):
+    """SpecForge's layout of a 3.1 drafter: its fc_norm.{i}.weight and both switches in its config, read back as
+    finetune reads init=<that directory>, in its form."""
+    s = SHAPES["tiny"]
+    verifier = _verifier(tmp_path / "verifier", s)
+    model = _drafter(verifier, s, EagleForm(fc_norm=True, norm_output=True))
+    out = tmp_path / "midlayer"
+    write_midlayer(model, out, {"verifier.aux_layers": json.dumps(AUX)})
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["fc_norm"], cfg["norm_output"], cfg["norm_before_residual"]) == (True, True, False)
+    assert check_reload(model, out, verifier)["tensors"] == 15 + len(AUX)  # and one norm per aux layer
