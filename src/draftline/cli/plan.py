@@ -74,6 +74,7 @@ def plan(drafter, drafter_layer, verifier, draft_vocab_size, gpus, nodes, gpu_me
     counts on the meta device, DeepSpeed's model-state estimators, an activation estimate) and whether each stage
     fits; what each stage sends over the interconnect per step beside the compute, and the stage to use; and
     the disk the prepared shards will take."""
+    from draftline.serving import hf_model
     from draftline.train import plan as planning
 
     # finetune's "auto", as it resolves on GPUs: bf16, sdpa, and for a drafter not given the verifier's attention
@@ -81,7 +82,7 @@ def plan(drafter, drafter_layer, verifier, draft_vocab_size, gpus, nodes, gpu_me
     precision = "bf16" if precision == "auto" else precision
     attn_impl = "sdpa" if attn_impl == "auto" else attn_impl
     if drafter_layer == "auto":
-        drafter_layer = "mla" if verifier is None or planning.verifier_uses_mla(verifier) else "llama"
+        drafter_layer = "mla" if verifier is None or hf_model.uses_mla(verifier) else "llama"
     reply_tokens = None
     if data:
         samples, tokens_per_sample, reply_tokens = measured_lengths(data, samples)

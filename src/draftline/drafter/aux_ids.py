@@ -71,7 +71,7 @@ def parent_convention(asked: str, *, catalog: str | None, config: dict | None, r
         return str(config[CONVENTION_KEY]), f"its config's {CONVENTION_KEY}"
     if config.get("speculators_model_type"):
         return "vllm", "speculators' format"
-    raise ParentMismatch(f"parent {parent}'s aux-layer ids {aux_of(config)} do not say whose layers they name: the input "
+    raise ParentMismatch(f"parent {parent}'s aux-layer ids {aux_layer_ids(config)} do not say whose layers they name: the input "
                          "of layer i (vLLM, speculators) or its output (SpecForge, ModelOpt, TorchSpec, SGLang); "
                          "pass --parent-aux-convention vllm or sglang, as its trainer wrote them")
 
@@ -87,7 +87,8 @@ def as_vllm_reads(ids: list[int], convention: str, num_layers: int, parent: str)
     return shifted
 
 
-def aux_of(config: dict) -> list[int] | None:
+def aux_layer_ids(config: dict) -> list[int] | None:
+    """The verifier layers a drafter reads, from a speculators config or a SpecForge one (``eagle_config``)."""
     for holder in (config, config.get("eagle_config") or {}):
         if holder.get(IDS):
             return list(holder[IDS])

@@ -49,6 +49,11 @@ class EagleForm:
         return {"fc_norm": self.fc_norm, "norm_output": self.norm_output}
 
     @classmethod
+    def of_model(cls, config) -> EagleForm:
+        """The form of a built drafter (its ``Eagle3SpeculatorConfig``)."""
+        return cls(fc_norm=bool(config.fc_norm), norm_output=bool(config.norm_output))
+
+    @classmethod
     def of_config(cls, config: dict[str, Any] | None) -> EagleForm:
         """The form a drafter's config.json states (speculators, vLLM's flat MLA form, SpecForge's): absent keys
         are 3.0, as every reader takes them."""

@@ -13,7 +13,6 @@ revision, its config and safetensors weights only (never ``training_state.pt`` o
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,8 @@ from huggingface_hub.errors import (
 from draftline import tracking
 from draftline.config import project_root, work_dir
 from draftline.console import say
-from draftline.drafter.catalog import CatalogEntry, catalog_path, load_catalog, not_a_parent
+from draftline.drafter.aux_ids import as_vllm_reads, aux_layer_ids, parent_convention
+from draftline.drafter.catalog import RANDOM, REPO_ID, CatalogEntry, catalog_path, load_catalog, not_a_parent
 from draftline.errors import ParentNotFound
 from draftline.registry.blobcache import BlobCache
 from draftline.registry.transfer import fetch_directory
@@ -177,7 +177,7 @@ def resolve_init(init: str, *, cache: Path | None = None) -> Parent:
     """Find the parent ``init`` names, downloading a catalog parent or a repo id that is not on this machine
     (unless ``HF_HUB_OFFLINE`` is set). Raises :class:`ParentNotFound` with what to do."""
     init = init.strip()
-    if init in ("", "random", "none"):
+    if init in RANDOM:
         return Parent(init="random", name="random", source="none", revision="none", path=None)
     if init.startswith("models:/"):
         return _from_registry(init, cache or work_dir() / "cache")
@@ -189,7 +189,7 @@ def resolve_init(init: str, *, cache: Path | None = None) -> Parent:
         return Parent(init=init, name=path.resolve().name, source=str(path.resolve()), revision="local",
                       path=path.resolve())
     offline = hf_offline()
-    repo_like = re.fullmatch(r"[\w.-]+/[\w.-]+", init) is not None and not path.exists()
+    repo_like = REPO_ID.fullmatch(init) is not None and not path.exists()
     if repo_like:
         cached = _hf_cached(init)
         if cached is None and not offline:
@@ -197,3 +197,16 @@ def resolve_init(init: str, *, cache: Path | None = None) -> Parent:
         if cached is not None:
             return Parent(init=init, name=init, source=init, revision=cached.name, path=cached)
     raise not_a_parent(init, catalog, offline=repo_like and offline)
+
+
+def aux_reads(parent: Parent, config: dict, asked: str, num_layers: int) -> tuple[str, list[int] | None]:
+    """``(convention, ids)``: whose layers the parent's aux-layer ids name (``asked``, its catalog entry,
+    draftline's registry or config, speculators' format: :func:`~draftline.drafter.aux_ids.parent_convention`),
+    and the ids vLLM captures for those layers; ``("none", None)`` when its config names none."""
+    own = aux_layer_ids(config)
+    if not own:
+        return "none", None
+    entry = load_catalog().get(parent.init)
+    convention, _ = parent_convention(asked, catalog=entry.aux_convention if entry else None, config=config,
+                                      registry=parent.model_version is not None, parent=parent.name)
+    return convention, as_vllm_reads(own, convention, num_layers, parent.name)

@@ -51,8 +51,7 @@ def save_served(model, out: Path, verifier: str) -> Path:
     cfg = served_mla_config(model.config.transformer_layer_config, draft_vocab_size=model.draft_vocab_size,
                             aux_layer_ids=list(model.config.eagle_aux_hidden_state_layer_ids),
                             norm_before_residual=bool(model.config.norm_before_residual),
-                            form=EagleForm(fc_norm=bool(model.config.fc_norm),
-                                           norm_output=bool(model.config.norm_output)))
+                            form=EagleForm.of_model(model.config))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
 

@@ -19,7 +19,7 @@ from speculators.proposals.greedy import GreedyTokenProposalConfig
 from transformers import AutoConfig, LlamaConfig
 
 from draftline.drafter import mla
-from draftline.drafter.aux_ids import CONVENTION_KEY, served_aux_fields
+from draftline.drafter.aux_ids import CONVENTION_KEY, aux_layer_ids, served_aux_fields
 from draftline.drafter.form import EagleForm
 from draftline.drafter.form import split as split_form
 from draftline.errors import ConfigError, DataError, ParentMismatch
@@ -69,14 +69,6 @@ def require_aux_layers(drafter: str, reads: list[int] | None, data: list[int]) -
     if reads and list(reads) != list(data):
         raise DataError(f"the data has aux layers {list(data)} but {drafter} reads {list(reads)}: prepare the data "
                         f"with --aux-layers {','.join(map(str, reads))}")
-
-
-def aux_layer_ids(config: dict) -> list[int] | None:
-    """The verifier layers a drafter reads, from a speculators config or a SpecForge one (``eagle_config``)."""
-    for holder in (config, config.get("eagle_config") or {}):
-        if holder.get("eagle_aux_hidden_state_layer_ids"):
-            return list(holder["eagle_aux_hidden_state_layer_ids"])
-    return None
 
 
 def default_aux_layers(num_hidden_layers: int) -> list[int]:

@@ -14,13 +14,12 @@ import torch
 from mlflow.exceptions import MlflowException
 
 from draftline import tracking
-from draftline.drafter.aux_ids import as_vllm_reads, aux_of, parent_convention, served_aux_fields
-from draftline.drafter.catalog import load_catalog
+from draftline.drafter.aux_ids import aux_layer_ids, served_aux_fields
 from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
 from draftline.drafter.handoff import fetch_weights, write_weights
 from draftline.drafter.loading import load_drafter as load
 from draftline.drafter.model import LAYER_FILE
-from draftline.drafter.parents import resolve_init
+from draftline.drafter.parents import aux_reads, resolve_init
 from draftline.errors import DataError
 from draftline.mlflow_errors import absent, raise_failure
 from draftline.registry import lineage
@@ -103,15 +102,12 @@ def resolve_target(ref: str, *, cache: Path, checkpoint: str, experiment_id: str
 def _as_vllm_counts(parent, config: dict, asked: str, layers: int | None, dest: Path) -> Path:
     """The parent's directory, or (ids in the sglang convention) a copy of it whose config names the layers as
     vLLM counts them."""
-    own = aux_of(config)
+    own = aux_layer_ids(config)
     if not own or parent.path is None:
         return parent.path
-    entry = load_catalog().get(parent.init)
-    convention, _ = parent_convention(asked, catalog=entry.aux_convention if entry else None, config=config,
-                                      registry=parent.model_version is not None, parent=parent.name)
-    if convention == "vllm":
+    convention, ids = aux_reads(parent, config, asked, layers if layers is not None else max(own) + 1)
+    if convention == "vllm" or ids is None:
         return parent.path
-    ids = as_vllm_reads(own, convention, layers if layers is not None else max(own) + 1, parent.name)
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     for f in parent.path.iterdir():

@@ -74,8 +74,7 @@ def write_midlayer(model, out: Path, params: dict[str, str]) -> None:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     aux = json.loads(params["verifier.aux_layers"])
     cfg = specforge_config(model.config.transformer_layer_config, draft_vocab_size=model.draft_vocab_size,
-                           aux_layer_ids=aux, form=EagleForm(fc_norm=bool(model.config.fc_norm),
-                                                             norm_output=bool(model.config.norm_output)),
+                           aux_layer_ids=aux, form=EagleForm.of_model(model.config),
                            norm_before_residual=bool(model.config.norm_before_residual))
     cfg.update(served_aux_fields(aux))  # SpecForge's form, with the ids also where vLLM's V2 runner reads them
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

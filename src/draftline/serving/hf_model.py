@@ -160,7 +160,10 @@ def describe(path: str | Path) -> dict[str, str]:
 
 
 def uses_mla(path: str | Path) -> bool:
-    raw = _json(Path(path) / "config.json")
+    """Whether the verifier (its directory or config.json; a multimodal wrapper's text model) has MLA
+    attention; an unreadable config says no."""
+    path = Path(path).expanduser()
+    raw = _json(path if path.is_file() else path / "config.json")
     text: dict[str, Any] = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
     return all(text.get(k) for k in MLA_KEYS)
 

@@ -23,13 +23,11 @@ from draftline.console import say
 from draftline.data.refs import dataset_name, resolve_data
 from draftline.data.shards import PreparedData, open_prepared
 from draftline.drafter import attention, form, handoff
-from draftline.drafter.aux_ids import as_vllm_reads, aux_of, parent_convention
-from draftline.drafter.catalog import load_catalog
 from draftline.drafter.checkpoints import CheckpointFiles, detect_layout, draft_vocab, find_checkpoint, read_header
 from draftline.drafter.form import split as split_form
 from draftline.drafter.form import with_form
 from draftline.drafter.model import LAYER_FILE, PAIRING
-from draftline.drafter.parents import Parent, resolve_init
+from draftline.drafter.parents import Parent, aux_reads, resolve_init
 from draftline.drafter.shape import key_remap, layer_config, layer_kind, verifier_config
 from draftline.drafter.vocab import build_vocab, plan_remap
 from draftline.errors import CheckpointError, DataError
@@ -265,18 +263,13 @@ def _parent_reads(cfg: FinetuneConfig, parent: Parent, files: CheckpointFiles | 
                   manifest: dict) -> tuple[str, list[int] | None]:
     """``(convention, ids)``: whose layers the parent's aux-layer ids name, and the ids vLLM captures for them
     (what the data must hold, and what the export writes); ``("none", None)`` without a parent or ids."""
-    own = aux_of((files.config or {}) if files is not None else {})
-    if files is None or not own:
-        if cfg.parent_aux_convention != "auto":
-            say(f"--parent-aux-convention {cfg.parent_aux_convention} is not used: "
-                + ("a random init has no aux-layer ids" if files is None else f"parent {parent.name} names none"))
-        return "none", None
-    entry = load_catalog().get(parent.init)
-    convention, _ = parent_convention(cfg.parent_aux_convention, catalog=entry.aux_convention if entry else None,
-                                      config=files.config, registry=parent.model_version is not None,
-                                      parent=parent.name)
     layers = int(hf_model.load_text_config(manifest["verifier"]).num_hidden_layers)
-    return convention, as_vllm_reads(own, convention, layers, parent.name)
+    convention, reads = ("none", None) if files is None else \
+        aux_reads(parent, files.config or {}, cfg.parent_aux_convention, layers)
+    if reads is None and cfg.parent_aux_convention != "auto":
+        say(f"--parent-aux-convention {cfg.parent_aux_convention} is not used: "
+            + ("a random init has no aux-layer ids" if files is None else f"parent {parent.name} names none"))
+    return convention, reads
 
 
 def _resolve_inputs(cfg: FinetuneConfig, resume_run: str | None, *, ranks: int, on_cpu: bool,
@@ -347,6 +340,7 @@ def steps_for_epochs(cfg: FinetuneConfig, manifest: dict, world_size: int, held_
 def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
     """The run's params: the parent's lineage, the vocabulary, the verifier, the data and the training settings."""
     cfg, parent, counts, eval_data = inputs.cfg, inputs.parent, inputs.counts, inputs.eval_data
+    eagle = split_form(inputs.layer)[1]
     manifest = inputs.data.manifest
     return {
         **lineage.parent_params(parent, sha256=sha, layout=inputs.layout, key_remap=inputs.remap),
@@ -368,8 +362,7 @@ def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
         "train.lr_schedule": cfg.lr_schedule,
         "train.ttt_loss_decay": cfg.ttt_loss_decay, "train.hidden_noise": cfg.hidden_noise,
         "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl, "drafter.layer": layer_kind(inputs.layer),
-        **{f"drafter.{k}": v for k, v in split_form(inputs.layer)[1].fields().items()},
-        "drafter.eagle": split_form(inputs.layer)[1].name,
+        **{f"drafter.{k}": v for k, v in eagle.fields().items()}, "drafter.eagle": eagle.name,
         "train.val_fraction": cfg.val_fraction if eval_data is None else 0.0,
         "train.pairing": PAIRING,
         "eval.data.digest": eval_data.manifest["digest"] if eval_data is not None else "none",

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,6 @@ from typing import Any
 from speculators.models.eagle3.model_definitions import model_classes
 
 from draftline.data import storage
-from draftline.drafter.mla import is_mla_config
 from draftline.drafter.model import meta_drafter
 from draftline.drafter.shape import default_config, load_config
 from draftline.errors import ConfigError, DraftlineError
@@ -306,17 +304,6 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
                     "offered": list(storage.HIDDEN_BYTES),
                     "bytes_by_storage": {kind: plan.bytes for kind, plan in by_storage.items()}},
     }
-
-
-def verifier_uses_mla(source: str | Path) -> bool:
-    """Whether the verifier (its directory or config.json, read as JSON: Kimi-K2.5's ``kimi_k25`` wrapper keeps
-    the text model under ``text_config``) has MLA attention, as finetune's ``--drafter-layer auto`` asks."""
-    path = Path(source).expanduser()
-    try:
-        raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-    except (OSError, ValueError):
-        return False  # the shards' sizing names the unreadable file
-    return is_mla_config(raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw)
 
 
 def _shards(shape: dict, verifier: str | Path | None, samples: int,
