@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+
+from tests.kit.loopdisk import loop_mounted
 
 
 class ReflinkUnavailable(RuntimeError):
     pass
-
-
-def _run(*cmd: str) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise ReflinkUnavailable(f"{' '.join(cmd)} failed: {(done.stderr or done.stdout).strip()[:200]}")
 
 
 @contextlib.contextmanager
@@ -26,17 +21,6 @@ def reflink_mount(folder: Path, size: str = "512M") -> Iterator[Path]:
     """Mount a fresh XFS (``-m reflink=1``) of ``size`` at ``folder/mnt``; unmounted and removed on exit."""
     if shutil.which("mkfs.xfs") is None:
         raise ReflinkUnavailable("mkfs.xfs is not installed (apt-get install xfsprogs)")
-    image, mnt = folder / "xfs.img", folder / "mnt"
-    mnt.mkdir(parents=True, exist_ok=True)
-    _run("truncate", "-s", size, str(image))
-    try:
-        _run("mkfs.xfs", "-q", "-m", "reflink=1", str(image))
-        _run("mount", "-o", "loop", str(image), str(mnt))
-    except ReflinkUnavailable:
-        image.unlink(missing_ok=True)
-        raise
-    try:
+    with loop_mounted(folder / "xfs.img", folder / "mnt", size, ("mkfs.xfs", "-q", "-m", "reflink=1"),
+                      ReflinkUnavailable) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
-        image.unlink(missing_ok=True)

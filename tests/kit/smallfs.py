@@ -12,15 +12,15 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.kit.loopdisk import loop_mounted, run
+
 
 class SmallFsUnavailable(RuntimeError):
     pass
 
 
 def _run(*cmd: str) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SmallFsUnavailable(f"{' '.join(cmd)} failed: {(done.stderr or done.stdout).strip()[:200]}")
+    run(SmallFsUnavailable, *cmd)
 
 
 def _image(folder: Path) -> Path:
@@ -33,20 +33,9 @@ def small_filesystem(folder: Path, size_bytes: int) -> Iterator[Path]:
     removed on exit. :func:`resize` grows it."""
     if shutil.which("mkfs.ext4") is None:
         raise SmallFsUnavailable("mkfs.ext4 is not installed (apt-get install e2fsprogs)")
-    folder.mkdir(parents=True, exist_ok=True)
-    image = _image(folder)
-    _run("truncate", "-s", str(size_bytes), str(image))
-    try:
-        _run("mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", str(image))
-        _run("mount", "-o", "loop", str(image), str(folder))
-    except SmallFsUnavailable:
-        image.unlink(missing_ok=True)
-        raise
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True, check=False)
-        image.unlink(missing_ok=True)
+    with loop_mounted(_image(folder), folder, str(size_bytes), ("mkfs.ext4", "-q", "-F", "-m", "0", "-O",
+                                                               "^has_journal"), SmallFsUnavailable) as mounted:
+        yield mounted
 
 
 def resize(folder: Path, size_bytes: int) -> None:
