@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from draftline import names
+
 OTHER_ASSUMED = {"per_position_accuracy.png": 40_000, "parent_load_report.json": 4_000}
 
 
@@ -62,8 +64,8 @@ def run(shape: str = "real") -> dict:
                                                           "num_key_value_heads", "head_dim", "vocab_size")},
              "num_hidden_layers": 1}
     cfg = FinetuneConfig(data="runs:/0/data", init="aq-medai-random", steps=10)
-    params = {"init": cfg.init, "parent.name": cfg.init, "vocab.policy": "parent", "verifier.aux_layers": AUX,
-              "zero.stage": 2, "world_size": 8, "ttt_steps": 3, "train.steps": cfg.steps}
+    params = {"init": cfg.init, names.PARENT_NAME: cfg.init, names.VOCAB_POLICY: "parent", names.VERIFIER_AUX_LAYERS: AUX,
+              names.ZERO_STAGE: 2, "world_size": 8, "ttt_steps": 3, names.TRAIN_STEPS: cfg.steps}
     meta = lineage.training_metadata(params, {"draft_size": s["draft_vocab_size"]}, extra={"finetune_run_id": "x"})
     with tempfile.TemporaryDirectory(prefix="draftline-bench-artifacts-") as tmp:
         root = Path(tmp)

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from draftline import names
 from draftline.drafter.model import build_draft_model
 from draftline.drafter.shape import layer_config
 from draftline.export.directory import write_drafter
@@ -113,7 +114,7 @@ def run(prompts_n: int = 64, max_tokens: int = 32) -> dict:
         model = build_draft_model(verifier, d2t=d2t, t2d=t2d, aux_layer_ids=[2, 4, 5], draft_vocab_size=256,
                                   dtype=torch.bfloat16, layer=layer_config(verifier))
         drafter = Path(tmp) / "drafter"
-        write_drafter(model, drafter, {"verifier.name_or_path": KIMI_VERIFIER_ID}, {})
+        write_drafter(model, drafter, {names.VERIFIER_NAME_OR_PATH: KIMI_VERIFIER_ID}, {})
         runs = {}
         with VllmServer(ServeSpec(model=verifier, max_model_len=1024)) as plain:
             runs["plain_batched"] = _decode(plain.endpoint, plain.model, prompts, max_tokens, 8)

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.demo_runs import finetune_kimi, latest_run
+from draftline import names
 
 ROOT = Path(__file__).resolve().parents[1]
 STORAGES = ("bf16", "fp8")
@@ -99,13 +100,13 @@ def run(shape: str = "kimi", steps: int = 100, seed: int = 0, max_new_tokens: in
             run_id = finetune_kimi(str(dirs[storage]), evalset, steps=steps, seed=seed,
                                    side=["--init", "tiny-kimi-mla", "--vocab", "rebuild"])
         out = evaluate(EvaluateConfig(target=f"runs:/{run_id}", data=evalset, max_new_tokens=max_new_tokens,
-                                      speed_concurrency="off", backend="vllm"), progress=False)
+                                      speed_concurrency="off", backend="vllm"), progress=False).to_json()
         m = client.get_run(out["run_id"]).data.metrics
         sides[storage] = {"finetune_run": run_id, "evaluation_run": out["run_id"], "shard_bytes": _bytes(dirs[storage]),
                           "served": out["measured_acceptance_length"],
-                          "served_low": m.get("eval/measured/acceptance_length_low"),
-                          "served_high": m.get("eval/measured/acceptance_length_high"), "prompts": out["prompts"],
-                          "val_acceptance_length": client.get_run(run_id).data.metrics.get("val/acceptance_length")}
+                          "served_low": m.get(names.MEASURED_LOW),
+                          "served_high": m.get(names.MEASURED_HIGH), "prompts": out["prompts"],
+                          "val_acceptance_length": client.get_run(run_id).data.metrics.get(names.VAL_ACCEPTANCE_LENGTH)}
     d = paired_difference(read_per_prompt(client, sides["fp8"]["evaluation_run"]) or [],
                           read_per_prompt(client, sides["bf16"]["evaluation_run"]) or [])
     summary = {s: f"served {v['served']:.3f} [{v['served_low']:.3f}, {v['served_high']:.3f}] on {v['prompts']} "

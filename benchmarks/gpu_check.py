@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from draftline import names
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "gpu-check.json"
 PEAK_TFLOPS = 790.0  # H200, bf16 dense
@@ -193,8 +195,8 @@ def part_attention(shape: str) -> dict:
         out["impls"][impl] = {"first_step_s": first}
     times = {k: [] for k in steps}
     for r in range(3):  # interleaved rounds, order rotated
-        names = list(steps)[r % max(1, len(steps)):] + list(steps)[:r % max(1, len(steps))]
-        for impl in names:
+        order = list(steps)[r % max(1, len(steps)):] + list(steps)[:r % max(1, len(steps))]
+        for impl in order:
             for _ in range(size["iters"]):
                 t = time.perf_counter()
                 steps[impl]()
@@ -258,27 +260,27 @@ def part_finetune(shape: str, work: Path) -> dict:
     ft = finetune.run(cfg)
     ft_s = time.perf_counter() - t
     t = time.perf_counter()
-    ex = export.run(ExportConfig(run=ft["run_id"], registered_model="gpu-check"))
+    ex = export.run(ExportConfig(run=ft.run_id, registered_model="gpu-check"))
     ex_s = time.perf_counter() - t
     client = MlflowClient()
-    run = client.get_run(ft["run_id"])
+    run = client.get_run(ft.run_id)
 
     def files(path=None):
-        for f in client.list_artifacts(ft["run_id"], path):
+        for f in client.list_artifacts(ft.run_id, path):
             yield from files(f.path) if f.is_dir else [(f.path, f.file_size or 0)]
     artifacts = dict(files())
     weights = artifacts.get("weights/model.safetensors", 0)
     metrics = run.data.metrics
-    version = client.get_model_version("gpu-check", ex["version"])
+    version = client.get_model_version("gpu-check", ex.version)
     return {
         "shape": shape, "steps": size["steps"], "tokens_per_batch": size["tokens"], "zero_stage": 2,
         "inputs_s": made_s, "finetune_s": ft_s, "export_s": ex_s, "inputs": inputs["sizes"],
-        "train": {k: metrics[k] for k in ("train/loss", "train/tokens_per_s", "train/full_acc_0") if k in metrics},
+        "train": {k: metrics[k] for k in (names.TRAIN_LOSS, names.TRAIN_TOKENS_PER_S, names.TRAIN_FULL_ACC_0) if k in metrics},
         "artifact_bytes": sum(artifacts.values()), "weights_bytes": weights,
         "artifact_bytes_over_weights": sum(artifacts.values()) / weights if weights else None,
         "optimizer_state_logged": any(p.startswith("checkpoints/") for p in artifacts),
-        "model_uri": ex["model_uri"], "export_validated": version.tags.get("export.validated"),
-        "checkpoint": ft["checkpoint"],
+        "model_uri": ex.model_uri, "export_validated": version.tags.get(names.EXPORT_VALIDATED),
+        "checkpoint": ft.checkpoint,
     }
 
 

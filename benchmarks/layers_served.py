@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.demo_runs import finetune_kimi, latest_run
+from draftline import names
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("llama", "mla")
@@ -32,7 +33,7 @@ def _evaluate(run_id: str, evalset: str, max_new_tokens: int, concurrency: str) 
 
     try:
         return evaluate(EvaluateConfig(target=f"runs:/{run_id}", data=evalset, max_new_tokens=max_new_tokens,
-                                       speed_concurrency=concurrency, backend="vllm"), progress=False)
+                                       speed_concurrency=concurrency, backend="vllm"), progress=False).to_json()
     except DraftlineError as e:  # a Llama-layer drafter beside an MLA verifier on a CPU without AMX
         return {"not_served": str(e)}
 
@@ -74,15 +75,15 @@ def compare(sides: dict[str, list[str]], *, steps: int, seed: int, max_new_token
         plan = client.download_artifacts(run_id, "plan.json", tempfile.mkdtemp())
         side = {"finetune_run": run_id, "flags": flags,
                 "trained_params": json.loads(Path(plan).read_text())["trainable"],
-                "train_tokens_per_s": train.metrics.get("train/tokens_per_s"),
-                "val_acceptance_length": train.metrics.get("val/acceptance_length")}
+                "train_tokens_per_s": train.metrics.get(names.TRAIN_TOKENS_PER_S),
+                "val_acceptance_length": train.metrics.get(names.VAL_ACCEPTANCE_LENGTH)}
         if "not_served" in evaluated:
             side["not_served"] = evaluated["not_served"]
         else:
             metrics = client.get_run(evaluated["run_id"]).data.metrics
             side.update(evaluation_run=evaluated["run_id"], served=evaluated["measured_acceptance_length"],
-                        served_low=metrics.get("eval/measured/acceptance_length_low"),
-                        served_high=metrics.get("eval/measured/acceptance_length_high"),
+                        served_low=metrics.get(names.MEASURED_LOW),
+                        served_high=metrics.get(names.MEASURED_HIGH),
                         prompts=evaluated["prompts"],
                         speedup={c: v for c, v in evaluated.get("speedup", {}).items()})
         out[name] = side

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from draftline import names
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,7 +35,7 @@ def _one(client, run_id: str) -> dict:
     run = client.get_run(run_id)
     p, m = run.data.params, run.data.metrics
     k, prompts, new = int(p["num_speculative_tokens"]), int(p["prompts"]), int(p["max_new_tokens"])
-    cfg = EvaluateConfig(target=p["target"], data=p["data.uri"])
+    cfg = EvaluateConfig(target=p["target"], data=p[names.DATA_URI])
     data = open_prepared(resolve_data(cfg.data), verify=True)
     checkpoint = p.get("checkpoint", "none")  # "none": the target is not a finetune run
     target = resolve_target(cfg.target, cache=work_dir() / "cache", experiment_id=experiment_id(),
@@ -43,17 +45,17 @@ def _one(client, run_id: str) -> dict:
     whole = measure(drafter, records, ttt_steps=k)
     served = measure(drafter, [s for _, s in served_samples(records, prompts, new)], ttt_steps=k)
     return {
-        "target": p["target"], "data": p["data.name"], "samples": len(records), "served_prompts": prompts,
+        "target": p["target"], "data": p[names.DATA_NAME], "samples": len(records), "served_prompts": prompts,
         "max_new_tokens": new, "evaluate_run": run_id,
         "uniform": round(whole["acceptance_length"], 4),
         "walk_full": round(whole["walk_acceptance_length"], 4),
         "walk_served": round(served["walk_acceptance_length"], 4),
         "walk_served_per_position": [round(served[f"walk_pos_{i}"], 4) for i in range(k)],
-        "served": round(m["eval/measured/acceptance_length"], 4),
+        "served": round(m[names.MEASURED_ACCEPTANCE_LENGTH], 4),
         "served_per_position": [round(m[f"eval/measured/acceptance_rate_pos_{i + 1}"], 4) for i in range(k)],
         "served_backend": p["backend"],
-        "served_minus_walk_served": round(m["eval/measured/acceptance_length"] - served["walk_acceptance_length"], 4),
-        "served_minus_uniform": round(m["eval/measured/acceptance_length"] - whole["acceptance_length"], 4),
+        "served_minus_walk_served": round(m[names.MEASURED_ACCEPTANCE_LENGTH] - served["walk_acceptance_length"], 4),
+        "served_minus_uniform": round(m[names.MEASURED_ACCEPTANCE_LENGTH] - whole["acceptance_length"], 4),
     }
 
 

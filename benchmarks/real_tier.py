@@ -17,6 +17,8 @@ import re
 import statistics
 from pathlib import Path
 
+from draftline import names
+
 LAP = re.compile(r"^== (.+) took (\d+) s$")
 REGEN = re.compile(r"regenerating: 100%\|[^|]*\| (\d+)/\d+ \[(?:(\d+):)?(\d+):(\d+)")
 
@@ -47,7 +49,7 @@ def _runs(client, step: str) -> list:
 def _prepare(run) -> dict:
     m, p = run.data.metrics, run.data.params
     secs = (run.info.end_time - run.info.start_time) / 1000
-    return {"name": p.get("data.name"), "samples": m.get("data/samples"), "tokens": m.get("data/tokens"),
+    return {"name": p.get(names.DATA_NAME), "samples": m.get("data/samples"), "tokens": m.get("data/tokens"),
             "loss_tokens": m.get("data/masked_tokens"), "bytes_per_token": m.get("data/bytes_per_token"),
             "run_s": round(secs, 1)}
 
@@ -58,9 +60,9 @@ def train_rate(client, run) -> dict:
     checkpoint reads low, so one window alone, the last, is no figure; a window counts the tokens its packs
     held), and the whole run's: the budget it was asked for (steps x tokens per batch x ranks, a pack may hold
     fewer) over the run's wall time, start-up, validation and checkpoints included."""
-    windows = [x.value for x in client.get_metric_history(run.info.run_id, "train/tokens_per_s")]
+    windows = [x.value for x in client.get_metric_history(run.info.run_id, names.TRAIN_TOKENS_PER_S)]
     p = run.data.params
-    tokens = int(p.get("train.steps", 0)) * int(p.get("train.tokens_per_batch", 0)) * int(p.get("world_size") or 1)
+    tokens = int(p.get(names.TRAIN_STEPS, 0)) * int(p.get(names.TRAIN_TOKENS_PER_BATCH, 0)) * int(p.get("world_size") or 1)
     secs = (run.info.end_time - run.info.start_time) / 1000
     quartiles = statistics.quantiles(windows, n=4) if len(windows) > 1 else windows * 3
     return {"train_tokens_per_s": round(statistics.median(windows), 1) if windows else None,
@@ -72,15 +74,15 @@ def train_rate(client, run) -> dict:
 def _finetune(client, run) -> dict:
     m, p = run.data.metrics, run.data.params
     hist = {k: [(x.step, round(x.value, 4)) for x in client.get_metric_history(run.info.run_id, k)]
-            for k in ("val/acceptance_length", "val/walk_acceptance_length", "val/full_acc_0")}
-    return {"run_id": run.info.run_id, "data_uri": p.get("data.uri"),
+            for k in (names.VAL_ACCEPTANCE_LENGTH, "val/walk_acceptance_length", "val/full_acc_0")}
+    return {"run_id": run.info.run_id, "data_uri": p.get(names.DATA_URI),
             "selected_step": int(run.data.tags.get("draftline.checkpoint.best_step")
                                  or run.data.tags.get("draftline.checkpoint.last_step") or 0) or None,
-            "init": p.get("init"), "vocab": p.get("vocab.policy"), "draft_vocab": p.get("vocab.draft_size"),
-            "steps": int(p.get("train.steps", 0)), "tokens_per_batch": int(p.get("train.tokens_per_batch", 0)),
-            "ranks": p.get("world_size"), "lr": p.get("optimizer.lr"), "precision": p.get("train.precision"),
+            "init": p.get("init"), "vocab": p.get(names.VOCAB_POLICY), "draft_vocab": p.get(names.VOCAB_DRAFT_SIZE),
+            "steps": int(p.get(names.TRAIN_STEPS, 0)), "tokens_per_batch": int(p.get(names.TRAIN_TOKENS_PER_BATCH, 0)),
+            "ranks": p.get("world_size"), "lr": p.get(names.OPTIMIZER_LR), "precision": p.get(names.TRAIN_PRECISION),
             **train_rate(client, run),
-            "parent_val_acceptance_length": m.get("parent.val/acceptance_length"),
+            "parent_val_acceptance_length": m.get(names.PARENT_VAL_ACCEPTANCE_LENGTH),
             "val_history": hist, "run_s": round((run.info.end_time - run.info.start_time) / 1000, 1)}
 
 
@@ -104,9 +106,9 @@ def _evaluation(client, path: Path) -> dict:
             "measured_rate_per_position": per_pos, "lossless": out.get("lossless"), "prompts": out.get("prompts"),
             "backend": out.get("backend", "transformers"),
             "inprocess_acceptance_length": out.get("inprocess_acceptance_length"),
-            "predicted_acceptance_length": m.get("eval/predicted/acceptance_length"),
-            "measured_low": m.get("eval/measured/acceptance_length_low"),
-            "measured_high": m.get("eval/measured/acceptance_length_high"),
+            "predicted_acceptance_length": m.get(names.PREDICTED),
+            "measured_low": m.get(names.MEASURED_LOW),
+            "measured_high": m.get(names.MEASURED_HIGH),
             "inprocess_tokens_per_s": round(m.get("eval/inprocess/tokens_per_s", 0.0), 2) or None,
             "prompts_per_s": round(m.get("eval/measured/prompts_per_s", 0.0), 4),
             "tokens_per_s": round(m.get("eval/measured/tokens_per_s", 0.0), 2)}

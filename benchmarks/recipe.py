@@ -17,6 +17,7 @@ import json
 import time
 
 from benchmarks.scaling import RESULTS, _dl, _figures, bench_env, prepare_sets, real_tier_parent
+from draftline import names
 
 OUT = RESULTS / "recipe-smollm2.json"
 BASE = {"--vocab": "rebuild", "--draft-vocab-size": "8192", "--gpus": "2", "--tokens-per-batch": "1024",
@@ -118,7 +119,7 @@ def run(variants=("base", "lr-2e-3"), conversations: int = 64, steps: int = 60, 
                  "--steps", str(steps), *args)
         trained = time.perf_counter() - t
         result = _dl(env, "evaluate", "--target", f"runs:/{ft['run_id']}", *ev)
-        tps = client.get_run(ft["run_id"]).data.metrics.get("train/tokens_per_s")
+        tps = client.get_run(ft["run_id"]).data.metrics.get(names.TRAIN_TOKENS_PER_S)
         done[name] = {"what": what, "flags": merged, "finetune_run": ft["run_id"], "finetune_s": round(trained, 1),
                       "tokens_per_s_last": tps, "evaluate_s": round(time.perf_counter() - t - trained, 1),
                       **_figures(result, env["MLFLOW_TRACKING_URI"])}

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from draftline import names
+
 
 def _timed(fn) -> float:
     t = time.perf_counter()
@@ -48,7 +50,7 @@ def _export_dir(root: Path, shape: str) -> Path:
     cfg = drafter_config(shape).to_dict()
     cfg["speculators_config"]["verifier"]["name_or_path"] = "moonshotai/Kimi-K2.5"
     (d / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-    (d / "lineage.json").write_text(json.dumps({"parent.source": "AQ-MedAI/Kimi-K2-Instruct-eagle3"}) + "\n")
+    (d / "lineage.json").write_text(json.dumps({names.PARENT_SOURCE: "AQ-MedAI/Kimi-K2-Instruct-eagle3"}) + "\n")
     (d / "README.md").write_text("---\nbase_model: AQ-MedAI/Kimi-K2-Instruct-eagle3\n---\n# EAGLE-3 drafter\n")
     return d
 

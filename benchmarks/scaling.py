@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from benchmarks.real_tier import train_rate
+from draftline import names
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN = "configs/demo/gsm8k_train_prompts.jsonl"
@@ -184,7 +185,7 @@ def _training(store: str, run_id: str) -> dict:
     return {"selected_step": int(best) if best else None, **train_rate(client, run),
             "curves": {key: [[m.step, round(m.value, 4)] for m in sorted(client.get_metric_history(run_id, key),
                                                                        key=lambda m: m.step)]
-                       for key in ("val/walk_acceptance_length", "val/acceptance_length")}}
+                       for key in ("val/walk_acceptance_length", names.VAL_ACCEPTANCE_LENGTH)}}
 
 
 def _figures(result: dict, store: str | None = None) -> dict:
@@ -195,8 +196,8 @@ def _figures(result: dict, store: str | None = None) -> dict:
 
         metrics.update(MlflowClient(store).get_run(result["run_id"]).data.metrics)
     return {"measured": result.get("measured_acceptance_length"),
-            "interval": [metrics.get("eval/measured/acceptance_length_low"),
-                         metrics.get("eval/measured/acceptance_length_high")],
+            "interval": [metrics.get(names.MEASURED_LOW),
+                         metrics.get(names.MEASURED_HIGH)],
             "teacher_forced": result.get("teacher_forced_acceptance_length"),
             "per_position": result.get("acceptance_rate_per_position"),
             "backend": result.get("backend"), "lossless": result.get("lossless"), "prompts": result.get("prompts"),
@@ -301,7 +302,7 @@ def _budget(path: Path) -> dict | None:
         tier = json.loads(path.read_text())
         child = next(f for f in tier["finetune"] if f.get("run_id") == tier["child_finetune_run"])
         per_step = child["tokens_per_batch"] * int(child["ranks"])
-        curve = [(max(step, 1) * per_step, value) for step, value in child["val_history"]["val/acceptance_length"]]
+        curve = [(max(step, 1) * per_step, value) for step, value in child["val_history"][names.VAL_ACCEPTANCE_LENGTH]]
         walk = [(max(step, 1) * per_step, value)  # runs from before the walk was logged have none
                 for step, value in child["val_history"].get("val/walk_acceptance_length", [])]
         served = tier["gsm8k_test"]["child"]

@@ -37,7 +37,7 @@ def run(shape: str = "kimi", target: str | None = None, data: str | None = None,
     data = data or f"runs:/{latest_run('prepare', 'evaluation')}/data"
     out = evaluate(EvaluateConfig(target=target, data=data, max_new_tokens=max_new_tokens, max_prompts=max_prompts,
                                   speed_concurrency=concurrency, sweep_k=sweep_k, backend="vllm"),
-                   progress=False)
+                   progress=False).to_json()  # as `draftline evaluate` prints it
     from mlflow import MlflowClient
 
     metrics = MlflowClient().get_run(out["run_id"]).data.metrics

@@ -21,6 +21,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from draftline import names
+
 DOCS_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -73,10 +75,10 @@ def _observe(client, name: str, version: str, window_s: float, verifier: str | N
     from draftline.serving.hf_model import allow_custom_code
 
     mv = client.get_model_version(name, version)
-    verifier = verifier or mv.tags.get("verifier.path")
+    verifier = verifier or mv.tags.get(names.VERIFIER_PATH)
     if not verifier or not Path(verifier).is_dir():
         raise SystemExit(f"models:/{name}/{version}'s verifier {verifier} is not on this machine: pass --verifier DIR")
-    if mv.tags.get("verifier.trust_remote_code") == "True":
+    if mv.tags.get(names.VERIFIER_TRUST_REMOTE_CODE) == "True":
         allow_custom_code(verifier)
     prompts = ["What is 12 times 7?", "Name three prime numbers.", "Explain what a drafter does.",
                "A train leaves at 3 pm at 60 km/h; how far has it gone at 5 pm?"]
@@ -130,9 +132,9 @@ def run(registered: str = "smollm2-gsm8k-drafter", version: str | None = None, o
             stop(proc)
     metrics = {m.key: m.value for m in logged.metrics or []}
     shown = {k: round(v, 4) for k, v in sorted(metrics.items())
-             if k.startswith(("served/acceptance_length", "eval/measured/acceptance_length", "eval/speed/c1/speedup"))}
-    return {"summary": {"version": f"models:/{name}/{version}", "served": logged.tags.get("served.acceptance_length"),
-                        "verdict": logged.tags.get("served.verdict"),
+             if k.startswith(("served/acceptance_length", names.MEASURED_ACCEPTANCE_LENGTH, "eval/speed/c1/speedup"))}
+    return {"summary": {"version": f"models:/{name}/{version}", "served": logged.tags.get(names.SERVED_ACCEPTANCE_LENGTH),
+                        "verdict": logged.tags.get(names.SERVED_VERDICT),
                         "images": [str(p.relative_to(DOCS_IMG.parent.parent)) for p in (model_png, served_png, list_png)]},
             "metrics_shown": shown, "observed": observed,
             "method": "draftline pull -> vLLM serves it beside its verifier -> traffic -> draftline observe; then "

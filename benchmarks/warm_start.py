@@ -17,11 +17,13 @@ from pathlib import Path
 
 import torch
 
+from draftline import names
+
 ROOT = Path(__file__).resolve().parents[1]
 # the child's recipe, as its run logged it, handed to both counterparts (runs from before a param was logged
 # take finetune's default for it)
-RECIPE_FLAGS = (("train.lr_schedule", "--lr-schedule"), ("train.ttt_loss_decay", "--ttt-loss-decay"),
-                ("train.hidden_noise", "--hidden-noise"))
+RECIPE_FLAGS = ((names.TRAIN_LR_SCHEDULE, "--lr-schedule"), (names.TRAIN_TTT_LOSS_DECAY, "--ttt-loss-decay"),
+                (names.TRAIN_HIDDEN_NOISE, "--hidden-noise"))
 
 
 def run(shape: str = "tiny", **kw) -> dict:
@@ -58,27 +60,27 @@ def run_real(summary: str | None = None, metrics=("full_acc_0", "acceptance_leng
         raise SystemExit(f"the evaluation set {p['eval.data.digest'][:12]} of run {child.info.run_id} is not here")
     history = {m: client.get_metric_history(child.info.run_id, f"val/{m}") for m in metrics}
     val_steps = sorted({h.step for h in history[metrics[0]]})
-    val_every = val_steps[1] - val_steps[0] if len(val_steps) > 1 else int(p["train.steps"])
-    total = int(steps or p["train.steps"])
-    if steps and total != int(p["train.steps"]):  # both sides trained here, at this budget
+    val_every = val_steps[1] - val_steps[0] if len(val_steps) > 1 else int(p[names.TRAIN_STEPS])
+    total = int(steps or p[names.TRAIN_STEPS])
+    if steps and total != int(p[names.TRAIN_STEPS]):  # both sides trained here, at this budget
         val_every = every or max(1, total // 6)
 
     def counterpart(init: str, side: str):
         """The run with the child's settings from ``init`` (reused when the benchmark ran before)."""
         key = f"{child.info.run_id}/{side}/{total}"
-        older = [child.info.run_id] if side == "random" and total == int(p["train.steps"]) else []  # tagged so before
+        older = [child.info.run_id] if side == "random" and total == int(p[names.TRAIN_STEPS]) else []  # tagged so before
         for tag in (key, *older):
             mine = client.search_runs([child.info.experiment_id], f"tags.`draftline.bench.warm_start_of` = '{tag}'"
                                       " and attributes.status = 'FINISHED'", max_results=1)
             if mine:
                 return mine[0]
-        cmd = [sys.executable, "-m", "draftline.cli", "finetune", "--data", p["data.uri"], "--init", init,
-               "--draft-vocab-size", p["vocab.draft_size"], "--eval-data", f"runs:/{ev[0].info.run_id}/data",
-               "--gpus", p["world_size"], "--zero-stage", p["zero.stage"], "--steps", str(total),
-               "--tokens-per-batch", p["train.tokens_per_batch"], "--precision", p["train.precision"],
-               "--lr", p["optimizer.lr"], "--warmup-steps", p["optimizer.warmup_steps"], "--val-every",
-               str(val_every), "--seed", p["train.seed"], "--ttt-steps", p["ttt_steps"],
-               *(["--vocab", p["vocab.policy"]] if init != "random" else []),
+        cmd = [sys.executable, "-m", "draftline.cli", "finetune", "--data", p[names.DATA_URI], "--init", init,
+               "--draft-vocab-size", p[names.VOCAB_DRAFT_SIZE], "--eval-data", f"runs:/{ev[0].info.run_id}/data",
+               "--gpus", p["world_size"], "--zero-stage", p[names.ZERO_STAGE], "--steps", str(total),
+               "--tokens-per-batch", p[names.TRAIN_TOKENS_PER_BATCH], "--precision", p[names.TRAIN_PRECISION],
+               "--lr", p[names.OPTIMIZER_LR], "--warmup-steps", p[names.OPTIMIZER_WARMUP_STEPS], "--val-every",
+               str(val_every), "--seed", p[names.TRAIN_SEED], "--ttt-steps", p["ttt_steps"],
+               *(["--vocab", p[names.VOCAB_POLICY]] if init != "random" else []),
                *[a for k, flag in RECIPE_FLAGS if k in p for a in (flag, p[k])]]
         print(f"  training the {side} side:", " ".join(cmd[3:]), flush=True)
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
@@ -87,16 +89,16 @@ def run_real(summary: str | None = None, metrics=("full_acc_0", "acceptance_leng
         return client.get_run(run_id)
 
     random_run = counterpart("random", "random")
-    if total != int(p["train.steps"]):
+    if total != int(p[names.TRAIN_STEPS]):
         child = counterpart(p["init"], "parent")
     curves = {name: {m: [(h.step, h.value) for h in sorted(client.get_metric_history(r.info.run_id, f"val/{m}"),
                                                              key=lambda h: h.step)] for m in metrics}
               for name, r in (("random", random_run), ("parent", child))}
-    result = {"shape": "smollm2", "verifier": p["verifier.name_or_path"], "steps": total,
+    result = {"shape": "smollm2", "verifier": p[names.VERIFIER_NAME_OR_PATH], "steps": total,
               "val_every": val_every, "runs": {"parent": child.info.run_id, "random": random_run.info.run_id},
-              "settings": {k: p[k] for k in ("data.uri", "vocab.draft_size", "world_size", "train.tokens_per_batch",
-                                             "train.precision", "optimizer.lr", "optimizer.warmup_steps")},
-              "parent": child.data.tags.get("draftline.parent.name") or p.get("parent.name"),
+              "settings": {k: p[k] for k in (names.DATA_URI, names.VOCAB_DRAFT_SIZE, "world_size", names.TRAIN_TOKENS_PER_BATCH,
+                                             names.TRAIN_PRECISION, names.OPTIMIZER_LR, names.OPTIMIZER_WARMUP_STEPS)},
+              "parent": child.data.tags.get("draftline.parent.name") or p.get(names.PARENT_NAME),
               "curves": curves, "targets": {"ratio": 0.2}, "summary": {}}
     for m in metrics:
         goal = curves["random"][m][-1][1]

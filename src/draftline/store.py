@@ -13,6 +13,7 @@ from urllib.request import url2pathname
 
 import requests
 
+from draftline import names
 from draftline.errors import DataError, ServerUnavailable, TrackingError
 
 __all__ = ["check_reachable", "check_runs", "check_store", "require_store", "store_path", "tracking_uri"]
@@ -124,7 +125,7 @@ def check_runs(refs: dict[str, str | None], *, finished: bool = True) -> None:
                                 "printed (`draftline list` and the MLflow UI show them)") from None
             raise_failure(e, f"read run {run_id} ({flag})", "READ permission on the run's experiment")
         if finished and run.info.status != "FINISHED":
-            step = run.data.tags.get("draftline.step", "its stage")
+            step = run.data.tags.get(names.STEP, "its stage")
             raise DataError(f"{flag}: run {run_id} ({step}) is {run.info.status}, not FINISHED: rerun or resume "
                             "it, then pass it again")
 

@@ -18,7 +18,7 @@ from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import fluent
 
-from draftline import environment
+from draftline import environment, names
 from draftline.console import say
 from draftline.errors import DataError, Interrupted, TrackingError
 from draftline.mlflow_errors import denied, exists, refusal
@@ -121,7 +121,7 @@ def stage_run(step: str, run_name: str | None = None, tags: dict[str, str] | Non
         if denied(e):
             raise refusal(e, f"start the {step} run", "EDIT permission on the experiment it logs to") from None
         raise TrackingError(f"cannot start the {step} run on {tracking_uri()}: {e}") from None
-    mlflow.set_tags({"draftline.step": step, **(tags or {})})
+    mlflow.set_tags({names.STEP: step, **(tags or {})})
     try:
         yield run
     except BaseException as e:

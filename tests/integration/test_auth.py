@@ -6,6 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from draftline import names
 from draftline.cli import cli
 from draftline.drafter.aux_ids import served_aux_fields
 
@@ -47,7 +48,7 @@ def test_read_user_pulls_but_cannot_promote(workspace, server, request, monkeypa
     client.create_registered_model("team-drafter")
     client.create_model_version("team-drafter", f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id,
                                 tags={**TAGS, "metric.val/acceptance_length": "1.5", "metric.train/acceptance_length": "1.5",
-                                      "export.sha256": manifest_digest(manifest)})
+                                      names.EXPORT_SHA256: manifest_digest(manifest)})
 
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "reader")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "reader-password-123")

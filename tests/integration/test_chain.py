@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
+from draftline import names
 from draftline.cli import cli
 from draftline.drafter.checkpoints import find_checkpoint
 from draftline.util import files_digest
@@ -34,22 +35,22 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
                 "--warmup-steps", "0", "--micro-batch-tokens", "128")  # the two ranks split their steps alike
     run = client.get_run(ft["run_id"])
     p = run.data.params
-    assert p["train.micro_batch_tokens"] == "128"
-    assert p["train.attn_impl"] == "blockwise"  # auto, on CPU ranks
-    assert p["init"] == "tiny" and p["parent.source"] == "draftline/tiny-parent"
-    assert p["parent.layout"] == "midlayer" and p["parent.key_remap"] == "midlayer.->layers.0."
-    assert p["parent.sha256"] == files_digest(find_checkpoint(tiny["parent"]).weights)
-    assert p["zero.stage"] == "2" and p["world_size"] == "2" and p["vocab.policy"] == "parent"
+    assert p[names.TRAIN_MICRO_BATCH_TOKENS] == "128"
+    assert p[names.TRAIN_ATTN_IMPL] == "blockwise"  # auto, on CPU ranks
+    assert p["init"] == "tiny" and p[names.PARENT_SOURCE] == "draftline/tiny-parent"
+    assert p[names.PARENT_LAYOUT] == "midlayer" and p[names.PARENT_KEY_REMAP] == "midlayer.->layers.0."
+    assert p[names.PARENT_SHA256] == files_digest(find_checkpoint(tiny["parent"]).weights)
+    assert p[names.ZERO_STAGE] == "2" and p["world_size"] == "2" and p[names.VOCAB_POLICY] == "parent"
     # --precision auto (the default) measured this CPU and says what it found
-    assert p["train.precision"] in ("bf16", "fp32") and p["train.precision_choice"].startswith("auto: a bf16 matmul")
-    assert p["data.digest"] == prep["digest"] and run.data.tags["draftline.data.run_id"] == prep["run_id"]
-    loss = client.get_metric_history(ft["run_id"], "train/loss")
+    assert p[names.TRAIN_PRECISION] in ("bf16", "fp32") and p[names.TRAIN_PRECISION_CHOICE].startswith("auto: a bf16 matmul")
+    assert p[names.DATA_DIGEST] == prep["digest"] and run.data.tags[names.DATA_RUN] == prep["run_id"]
+    loss = client.get_metric_history(ft["run_id"], names.TRAIN_LOSS)
     assert [m.step for m in loss] == [1, 2, 3, 4, 5, 6]
-    for key in ("train/full_acc_0", "train/cond_acc_2", "train/acceptance_length", "train/tokens_per_s"):
+    for key in (names.TRAIN_FULL_ACC_0, "train/cond_acc_2", names.TRAIN_ACCEPTANCE_LENGTH, names.TRAIN_TOKENS_PER_S):
         assert key in run.data.metrics
     # the verifier as serving hosts know it (make-tiny records its id), the training host's path beside it
-    assert p["verifier.name_or_path"] == "draftline/tiny-verifier"
-    assert p["verifier.path"] == str(Path(tiny["verifier"]).resolve())
+    assert p[names.VERIFIER_NAME_OR_PATH] == "draftline/tiny-verifier"
+    assert p[names.VERIFIER_PATH] == str(Path(tiny["verifier"]).resolve())
     assert run.data.tags["mlflow.runName"] == "finetune from tiny" and "tiny-verifier" in \
         run.data.tags["mlflow.note.content"]
     # inputs: the same data set prepare logged, and the parent as an external model keyed by its sha256
@@ -59,7 +60,7 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert run.inputs.dataset_inputs[0].dataset.name == prep_run.inputs.dataset_inputs[0].dataset.name
     [parent_input] = run.inputs.model_inputs
     parent_model = client.get_logged_model(parent_input.model_id)
-    assert parent_model.tags["draftline.parent.sha256"] == p["parent.sha256"]
+    assert parent_model.tags[names.PARENT_SHA256_TAG] == p[names.PARENT_SHA256]
     assert parent_model.params["source"] == "draftline/tiny-parent"
     artifacts = {a.path for a in client.list_artifacts(ft["run_id"])}
     assert {"weights", "training_metadata.json", "parent_load_report.json",
@@ -68,18 +69,18 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert {a.path for a in client.list_artifacts(ft["run_id"], "weights")} == {
         "weights/model.safetensors", "weights/layer_config.json", "weights/selection.json",
         "weights/training_metadata.json"}
-    assert "val/acceptance_length" in run.data.metrics and "system/cpu_utilization_percentage" in run.data.metrics
+    assert names.VAL_ACCEPTANCE_LENGTH in run.data.metrics and "system/cpu_utilization_percentage" in run.data.metrics
     # the parent is measured before step 1, on the same held-out samples, and the best checkpoint is handed on
-    [at_start] = [m for m in client.get_metric_history(ft["run_id"], "val/acceptance_length") if m.step == 0]
-    assert run.data.metrics["parent.val/acceptance_length"] == at_start.value
+    [at_start] = [m for m in client.get_metric_history(ft["run_id"], names.VAL_ACCEPTANCE_LENGTH) if m.step == 0]
+    assert run.data.metrics[names.PARENT_VAL_ACCEPTANCE_LENGTH] == at_start.value
     assert run.data.tags["draftline.checkpoint.selected"] == "best"
     assert int(run.data.tags["draftline.checkpoint.best_step"]) <= int(run.data.tags["draftline.checkpoint.last_step"])
 
     ex = invoke("export", "--run", ft["run_id"], "--registered-model", "tiny-drafter", "--layout", "midlayer")
     assert ex["model_uri"] == "models:/tiny-drafter/1"
     mv = client.get_model_version("tiny-drafter", "1")
-    assert mv.tags["parent.source"] == "draftline/tiny-parent" and mv.tags["export.validated"] == "true"
-    assert mv.tags["finetune.run_id"] == ft["run_id"] and mv.tags["data.digest"] == prep["digest"]
+    assert mv.tags[names.PARENT_SOURCE] == "draftline/tiny-parent" and mv.tags[names.EXPORT_VALIDATED] == "true"
+    assert mv.tags[names.FINETUNE_RUN_ID] == ft["run_id"] and mv.tags[names.DATA_DIGEST] == prep["digest"]
     assert "draftline/tiny-parent" in mv.description
     # the version comes from the drafter's LoggedModel: lineage as its params, the finetune metrics on it
     from draftline.registry.versions import model_id_of
@@ -87,13 +88,13 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert mv.source == f"models:/{model_id_of(mv)}"
     logged = client.get_logged_model(model_id_of(mv))
     assert logged.source_run_id == ex["run_id"] and logged.status == "READY"
-    assert logged.params["parent.sha256"] == p["parent.sha256"] and logged.params["data.digest"] == prep["digest"]
-    assert logged.params["train.pairing"] == "vllm-shifted"
+    assert logged.params[names.PARENT_SHA256] == p[names.PARENT_SHA256] and logged.params[names.DATA_DIGEST] == prep["digest"]
+    assert logged.params[names.TRAIN_PAIRING] == "vllm-shifted"
     # as mlflow.register_model records it: the model's page in the UI lists the version registered from it
     assert [(v["name"], str(v["version"])) for v in json.loads(logged.tags["mlflow.modelVersions"])] == [
         ("tiny-drafter", "1")]
-    assert {m.key for m in logged.metrics} >= {"val/acceptance_length", "train/loss"}
-    assert mv.tags["verifier.name_or_path"] == "draftline/tiny-verifier"
+    assert {m.key for m in logged.metrics} >= {names.VAL_ACCEPTANCE_LENGTH, names.TRAIN_LOSS}
+    assert mv.tags[names.VERIFIER_NAME_OR_PATH] == "draftline/tiny-verifier"
 
     integrity = tmp_path / "integrity.yaml"  # the shipped Production policy wants an evaluation: test_evidence.py
     integrity.write_text("stage: Production\nrequire_tags: [parent.sha256, data.digest]\nexport_validated: true\n")
@@ -101,7 +102,7 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     assert client.get_model_version_by_alias("tiny-drafter", "production").version == "1"
     pulled = invoke("pull", "tiny-drafter", "--stage", "Production", "--dest", str(tmp_path / "pulled"), "--json")
     assert pulled["version"] == "1" and "--speculative-config" in pulled["command"]
-    assert json.loads((tmp_path / "pulled" / "checksums.json").read_text()) == json.loads(mv.tags["export.checksums"])
+    assert json.loads((tmp_path / "pulled" / "checksums.json").read_text()) == json.loads(mv.tags[names.EXPORT_CHECKSUMS])
     assert pulled["speculative_config"]["method"] == "eagle3"
     by_alias = invoke("pull", "tiny-drafter", "--alias", "production", "--dest", str(tmp_path / "a"), "--json")
     by_version = invoke("pull", "tiny-drafter", "--version", "1", "--dest", str(tmp_path / "v"), "--json")
@@ -134,7 +135,7 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
     # warm start: from the tiny parent the first step is far ahead of a random init on the same data
     rnd = invoke("finetune", "--data", prep["data_uri"], "--init", "random", "--gpus", "1", "--steps", "1",
                  "--tokens-per-batch", "512", "--draft-vocab-size", "256", "--val-fraction", "0")
-    first = {r: client.get_metric_history(r, "train/full_acc_0")[0] for r in (ft["run_id"], rnd["run_id"])}
+    first = {r: client.get_metric_history(r, names.TRAIN_FULL_ACC_0)[0] for r in (ft["run_id"], rnd["run_id"])}
     assert first[ft["run_id"]].step == first[rnd["run_id"]].step == 1
     assert first[ft["run_id"]].value > first[rnd["run_id"]].value + 0.2, first
 
@@ -144,17 +145,17 @@ def test_chain_against_mlflow_server(server_workspace, tiny, tmp_path):
                 "--steps", "2", "--tokens-per-batch", "512", "--save-every", "2")
     run = client.get_run(ft["run_id"])
     p = run.data.params
-    assert p["parent.source"] == "models:/tiny-drafter/1" and p["parent.layout"] == "speculators"
-    assert p["parent.key_remap"] == "none" and p["zero.stage"] == "3" and p["vocab.policy"] == "rebuild"
-    assert int(p["vocab.kept"]) + int(p["vocab.added"]) == 200 and int(p["vocab.dropped"]) >= 56
-    assert run.data.tags["draftline.parent.model_version"] == "models:/tiny-drafter/1"
+    assert p[names.PARENT_SOURCE] == "models:/tiny-drafter/1" and p[names.PARENT_LAYOUT] == "speculators"
+    assert p[names.PARENT_KEY_REMAP] == "none" and p[names.ZERO_STAGE] == "3" and p[names.VOCAB_POLICY] == "rebuild"
+    assert int(p[names.VOCAB_KEPT]) + int(p[names.VOCAB_ADDED]) == 200 and int(p[names.VOCAB_DROPPED]) >= 56
+    assert run.data.tags[names.PARENT_MODEL_VERSION] == "models:/tiny-drafter/1"
     # its input is generation 1's own LoggedModel: data -> finetune -> model -> version, clickable both ways
     assert [i.model_id for i in run.inputs.model_inputs] == [model_id_of(client.get_model_version("tiny-drafter", "1"))]
-    assert run.data.tags["draftline.parent.run_id"] == client.get_model_version("tiny-drafter", "1").run_id
+    assert run.data.tags[names.PARENT_RUN] == client.get_model_version("tiny-drafter", "1").run_id
     ex = invoke("export", "--run", ft["run_id"], "--registered-model", "tiny-drafter")  # consolidates ZeRO-3
     mv = client.get_model_version("tiny-drafter", ex["version"])
-    assert mv.tags["parent.source"] == "models:/tiny-drafter/1" and mv.tags["vocab.draft_size"] == "200"
-    assert mv.tags["export.validated"] == "true"
+    assert mv.tags[names.PARENT_SOURCE] == "models:/tiny-drafter/1" and mv.tags[names.VOCAB_DRAFT_SIZE] == "200"
+    assert mv.tags[names.EXPORT_VALIDATED] == "true"
 
     # three generations: v2 <- v1 <- the tiny parent (external root, with its sha256)
     r = CliRunner().invoke(cli, ["lineage", "tiny-drafter", ex["version"], "--json"], catch_exceptions=False)

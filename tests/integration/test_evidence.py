@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
+from draftline import names
 from draftline.cli import cli
 from tests.kit.tiny_server import serve_in_thread
 
@@ -46,9 +47,9 @@ def test_promotion_on_evidence(server_workspace, tiny):
                   "--lr", "3e-3", "--eval-data", ev["data_uri"], *steps)
     run = client.get_run(good["run_id"])
     # the parent measured before step 1, on the fixed evaluation set, and the best checkpoint handed on
-    assert run.data.params["eval.data.digest"] == ev["digest"]
-    start = [m for m in client.get_metric_history(good["run_id"], "val/acceptance_length") if m.step == 0]
-    assert start and run.data.metrics["parent.val/acceptance_length"] == start[0].value
+    assert run.data.params[names.EVAL_DATA_DIGEST] == ev["digest"]
+    start = [m for m in client.get_metric_history(good["run_id"], names.VAL_ACCEPTANCE_LENGTH) if m.step == 0]
+    assert start and run.data.metrics[names.PARENT_VAL_ACCEPTANCE_LENGTH] == start[0].value
 
     child = invoke("evaluate", "--target", f"runs:/{good['run_id']}", *common)  # before export: carried over
     assert child["lossless"] is True
@@ -57,8 +58,8 @@ def test_promotion_on_evidence(server_workspace, tiny):
     from draftline.util import manifest_digest
 
     tags = MlflowClient().get_model_version("ev-drafter", v1).tags  # the file list a pull reads instead of listing
-    assert manifest_digest(json.loads(tags["export.checksums"])) == tags["export.sha256"]
-    assert set(json.loads(tags["export.checksums"])) >= {"config.json", "model.safetensors", "README.md"}
+    assert manifest_digest(json.loads(tags[names.EXPORT_CHECKSUMS])) == tags[names.EXPORT_SHA256]
+    assert set(json.loads(tags[names.EXPORT_CHECKSUMS])) >= {"config.json", "model.safetensors", "README.md"}
     promoted = invoke("promote", "ev-drafter", v1, "--to", "Production")
     assert "PASS  eval/acceptance_length not worse than parent" in promoted
 
@@ -81,7 +82,7 @@ def test_promotion_on_evidence(server_workspace, tiny):
 
     mv = client.get_model_version("ev-drafter", v1)
     metrics = {m.key: m for m in client.get_logged_model(model_id_of(mv)).metrics}
-    measured = metrics["eval/measured/acceptance_length"]
+    measured = metrics[names.MEASURED_ACCEPTANCE_LENGTH]
     assert measured.dataset_name == "evaluation" and measured.dataset_digest == ev["digest"][:36]
     assert abs(measured.value - child["measured_acceptance_length"]) < 1e-3
     pulled = invoke("pull", "ev-drafter", "--stage", "Production", "--dest", str(server_workspace / "p"), "--json")

@@ -24,6 +24,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from draftline import names
+
 from ..conftest import ADMIN, DEMO
 
 pytestmark = pytest.mark.integration
@@ -166,7 +168,7 @@ def test_a_full_disk_during_export_is_one_error_and_leaves_nothing_behind(pipeli
     new = [r for r in client.search_runs([exp], "tags.`draftline.step` = 'export'")
            if r.info.run_id not in exports_before]
     assert len(new) == 1 and new[0].info.status == "FAILED"
-    assert new[0].data.tags["draftline.finetune.run_id"] == pipeline.ft["run_id"]
+    assert new[0].data.tags[names.FINETUNE_RUN] == pipeline.ft["run_id"]
     assert client.list_artifacts(new[0].info.run_id) == []
     assert client.get_run(pipeline.ft["run_id"]).info.status == "FINISHED"
 
@@ -255,8 +257,8 @@ def find(corpus: dict[str, bytes], needles: dict[str, str]) -> set[tuple[str, st
 def test_credentials_reach_no_param_tag_artifact_version_or_log(pipeline, client, tmp_path):
     ex = _ok(_cli(pipeline.env, tmp_path, pipeline.logs, "export", "--run", pipeline.ft["run_id"],
                   "--registered-model", "faults-drafter"))
-    assert client.get_model_version("faults-drafter", ex["version"]).tags["export.validated"] == "true"
-    assert client.get_run(pipeline.prep["run_id"]).data.params["verifier.name_or_path"]
+    assert client.get_model_version("faults-drafter", ex["version"]).tags[names.EXPORT_VALIDATED] == "true"
+    assert client.get_run(pipeline.prep["run_id"]).data.params[names.VERIFIER_NAME_OR_PATH]
     assert any(k.startswith("system/") for k in client.get_run(pipeline.ft["run_id"]).data.metrics)
 
     # a planted leak in every channel the scan reads, so the scan is shown to find one

@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
+from draftline import names
 from draftline.cli import cli
 from draftline.data.refs import resolve_data
 from draftline.data.shards import open_prepared
@@ -26,7 +27,7 @@ def test_a_finetune_on_fp8_shards(workspace, tiny, prepared):
     prep = invoke("prepare", "--conversations", DEMO, "--verifier", tiny["verifier"], "--max-length", "256",
                   "--shard-tokens", "4096", "--hidden-storage", "fp8")
     client = MlflowClient()
-    assert client.get_run(prep["run_id"]).data.params["data.hidden_storage"] == "fp8"
+    assert client.get_run(prep["run_id"]).data.params[names.DATA_HIDDEN_STORAGE] == "fp8"
     data = open_prepared(resolve_data(prep["data_uri"]))
     bf16 = open_prepared(prepared)
     assert data.manifest["hidden_storage"] == "fp8" and data.manifest["tokens"] == bf16.manifest["tokens"]
@@ -34,7 +35,7 @@ def test_a_finetune_on_fp8_shards(workspace, tiny, prepared):
     ft = invoke("finetune", "--data", prep["data_uri"], "--init", "tiny", "--gpus", "1", "--steps", "3",
                 "--tokens-per-batch", "512", "--val-fraction", "0.1", "--val-every", "3")
     metrics = client.get_run(ft["run_id"]).data.metrics
-    assert metrics["train/loss"] > 0 and 1.0 <= metrics["val/acceptance_length"] <= 4.0
+    assert metrics[names.TRAIN_LOSS] > 0 and 1.0 <= metrics[names.VAL_ACCEPTANCE_LENGTH] <= 4.0
     ev = invoke("evaluate", "--target", f"runs:/{ft['run_id']}", "--data", prep["data_uri"], "--no-measured",
                 "--max-prompts", "8")
     assert 1.0 <= ev["teacher_forced_acceptance_length"] <= 4.0

@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
+from draftline import names
 from draftline.cli import cli
 
 from ..conftest import ROOT
@@ -132,7 +133,7 @@ def test_a_quantized_kimi_verifiers_drafter_never_inherits_it_and_vllm_serves_th
         assert "quantization_config" not in layer
         model = build_draft_model(str(kimi["verifier_quantized"]), d2t=d2t, t2d=t2d, aux_layer_ids=[2, 4, 5],
                                   draft_vocab_size=256, dtype=torch.bfloat16, layer=layer)
-        write_drafter(model, tmp_path / kind, {"verifier.name_or_path": KIMI_VERIFIER_ID, "drafter.layer": kind}, {})
+        write_drafter(model, tmp_path / kind, {names.VERIFIER_NAME_OR_PATH: KIMI_VERIFIER_ID, names.DRAFTER_LAYER: kind}, {})
         assert "quantization_config" not in (tmp_path / kind / "config.json").read_text()
     assert cannot_draft_beside(kimi["verifier"], mla_drafter=True) is None
     found = check_in_vllm("on", tmp_path / "mla", str(kimi["verifier"]), 3, mla_drafter=True)
@@ -174,16 +175,16 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
         train = invoke("prepare", "--conversations", str(GSM8K_TRAIN), "--max-samples", "48", *regen)
     client = MlflowClient()
     p = client.get_run(train["run_id"]).data.params
-    assert p["verifier.trust_remote_code"] == "True" and p["verifier.model_type"] == "kimi_k2"
-    assert p["verifier.architecture"] == "DeepseekV3ForCausalLM"
+    assert p[names.VERIFIER_TRUST_REMOTE_CODE] == "True" and p[names.VERIFIER_MODEL_TYPE] == "kimi_k2"
+    assert p[names.VERIFIER_ARCHITECTURE] == "DeepseekV3ForCausalLM"
     manifest = json.loads(Path(client.download_artifacts(train["run_id"], "data/manifest.json")).read_text())
     regenerated = manifest["regenerated"]
     assert manifest["capture_backend"] == "vllm" and regenerated["done"] + regenerated["reused"] == 48, regenerated
-    assert regenerated["served_samples"] == 48 and regenerated["data/reasoning_replies"] > 0, regenerated
+    assert regenerated["served_samples"] == 48 and regenerated[names.DATA_REASONING_REPLIES] > 0, regenerated
     if not regenerated["cut_at_max_length"]:  # every id the verifier generated is under the loss
-        assert manifest["masked_tokens"] == regenerated["data/reply_tokens"], regenerated
+        assert manifest["masked_tokens"] == regenerated[names.DATA_REPLY_TOKENS], regenerated
     metrics = client.get_run(train["run_id"]).data.metrics
-    assert metrics["data/truncated_replies"] == regenerated["data/truncated_replies"] and "data/reply_tokens_p90" in metrics
+    assert metrics[names.DATA_TRUNCATED_REPLIES] == regenerated[names.DATA_TRUNCATED_REPLIES] and names.DATA_REPLY_TOKENS_P90 in metrics
     assert "data/reply_lengths.png" in [f.path for f in client.list_artifacts(train["run_id"], "data")]
 
     ft = invoke("finetune", "--data", train["data_uri"], "--init", "tiny-kimi-mla31", "--vocab", "rebuild",
@@ -191,9 +192,9 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
                 "--tokens-per-batch", "512", "--warmup-steps", "0", "--val-every", "50", "--eval-data",
                 ev["data_uri"])
     fp = client.get_run(ft["run_id"]).data.params
-    assert fp["parent.layout"] == "midlayer" and fp["parent.key_remap"] == "midlayer.->layers.0."
-    assert fp["verifier.trust_remote_code"] == "True" and fp["vocab.policy"] == "rebuild"
-    assert fp["drafter.layer"] == "mla" and fp["drafter.eagle"] == "3.1"  # the parent's form, read from it
+    assert fp[names.PARENT_LAYOUT] == "midlayer" and fp[names.PARENT_KEY_REMAP] == "midlayer.->layers.0."
+    assert fp[names.VERIFIER_TRUST_REMOTE_CODE] == "True" and fp[names.VOCAB_POLICY] == "rebuild"
+    assert fp[names.DRAFTER_LAYER] == "mla" and fp[names.DRAFTER_EAGLE] == "3.1"  # the parent's form, read from it
 
     child = invoke("evaluate", "--target", f"runs:/{ft['run_id']}", "--data", ev["data_uri"], "--max-new-tokens",
                    "24", "--cross-check", "true", "--sweep-k", "2..3")
@@ -202,12 +203,12 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     m = client.get_run(child["run_id"]).data.metrics
     # vLLM serves the MLA drafter as it was trained: the drafter's own forward over the replies vLLM served, on the
     # hidden states vLLM captured, predicts what vLLM measured on those prompts
-    assert m["eval/predicted/prompts"] >= 3 and abs(m["eval/predicted/difference"]) < 0.1, m
+    assert m[names.PREDICTED_PROMPTS] >= 3 and abs(m[names.PREDICTED_DIFFERENCE]) < 0.1, m
     # the same drafter decoding in this process drafts too, within vLLM's interval (transformers' DeepSeek-V3 code
     # computes the miniature's hidden states apart from vLLM's past the first position, so not to 0.1)
     inprocess = child["inprocess_acceptance_length"]
-    assert 1.0 < inprocess and m["eval/measured/acceptance_length_low"] <= inprocess, (inprocess, m)
-    assert inprocess <= m["eval/measured/acceptance_length_high"], (inprocess, m)
+    assert 1.0 < inprocess and m[names.MEASURED_LOW] <= inprocess, (inprocess, m)
+    assert inprocess <= m[names.MEASURED_HIGH], (inprocess, m)
     assert child["lossless"] is True, child
     # bf16: near ties, no more beyond them than its own noise
     assert m["eval/measured/mismatched_prompts"] <= m["eval/measured/bf16_noise_allowed_prompts"], m
@@ -223,11 +224,11 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
 
     ex = invoke("export", "--run", ft["run_id"], "--registered-model", "kimi-drafter")
     mv = client.get_model_version("kimi-drafter", ex["version"])
-    assert mv.tags["export.vllm_check"].startswith("passed") and "bfloat16" in mv.tags["export.vllm_check"]
-    assert mv.tags["verifier.name_or_path"] == KIMI_VERIFIER_ID and mv.tags["drafter.layer"] == "mla"
-    assert mv.tags["drafter.eagle"] == "3.1"
-    assert mv.tags["eval.recommended_num_speculative_tokens"] == str(fastest)  # what vLLM is told to draft
-    assert mv.tags["eval.recommended_num_speculative_tokens.from"] == "measured speed (--sweep-k)"
+    assert mv.tags[names.EXPORT_VLLM_CHECK].startswith("passed") and "bfloat16" in mv.tags[names.EXPORT_VLLM_CHECK]
+    assert mv.tags[names.VERIFIER_NAME_OR_PATH] == KIMI_VERIFIER_ID and mv.tags[names.DRAFTER_LAYER] == "mla"
+    assert mv.tags[names.DRAFTER_EAGLE] == "3.1"
+    assert mv.tags[names.EVAL_RECOMMENDED_K] == str(fastest)  # what vLLM is told to draft
+    assert mv.tags[names.EVAL_RECOMMENDED_K_FROM] == "measured speed (--sweep-k)"
     policies = tmp_path / "policies"
     policies.mkdir()
     (policies / "production.yaml").write_text("stage: Production\nexport_validated: true\n")
@@ -282,5 +283,5 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     assert observed["drafts"] > 0
     assert observed["below"] == (seen.exit_code == 1)
     logged = client.get_logged_model(model_id_of(mv))
-    assert logged.tags["served.acceptance_length"] == f"{observed['served_acceptance_length']:.4f}"
-    assert logged.tags["served.verdict"] == ("below evaluation" if observed["below"] else "as evaluated")
+    assert logged.tags[names.SERVED_ACCEPTANCE_LENGTH] == f"{observed['served_acceptance_length']:.4f}"
+    assert logged.tags[names.SERVED_VERDICT] == ("below evaluation" if observed["below"] else "as evaluated")

@@ -14,6 +14,7 @@ import pytest
 from mlflow import MlflowClient
 from packaging.requirements import Requirement
 
+from draftline import names
 from draftline.drafter.aux_ids import served_aux_fields
 from draftline.export.upload import CHECKSUMS, sha256_manifest
 from draftline.util import manifest_digest
@@ -74,8 +75,8 @@ def test_the_light_install_serves_from_the_registry_and_leaves_vllms_pins_alone(
     client = MlflowClient()
     client.create_registered_model("light-drafter")
     client.create_model_version("light-drafter", f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id,
-                                tags={**TAGS, "verifier.name_or_path": "org/v",
-                                      "export.sha256": manifest_digest(manifest)})
+                                tags={**TAGS, names.VERIFIER_NAME_OR_PATH: "org/v",
+                                      names.EXPORT_SHA256: manifest_digest(manifest)})
 
     host = {**env, "MLFLOW_TRACKING_URI": mlflow_server}
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from draftline import names
+
 from ..conftest import DEMO, ROOT
 
 # benchmark tier: `mlflow run` builds its own environment from conda.yaml (torch, DeepSpeed, speculators, MLflow
@@ -43,6 +45,6 @@ def test_mlflow_run_builds_the_environment_with_uv_and_runs_prepare_and_finetune
     trained = mlflow_run("finetune", f"data={prepared['data_uri']}", "init=tiny", "steps=3", "gpus=1")
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     run = client.get_run(trained["run_id"])
-    assert run.info.status == "FINISHED" and run.data.params["parent.name"] == "tiny"
+    assert run.info.status == "FINISHED" and run.data.params[names.PARENT_NAME] == "tiny"
     # the entry points ran in MLflow's environment, not in this venv
     assert run.data.tags.get("mlflow.project.env") == "uv"

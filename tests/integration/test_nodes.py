@@ -13,6 +13,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from draftline import names
 from draftline.util import free_port
 
 pytestmark = pytest.mark.integration
@@ -105,7 +106,7 @@ def test_a_node_lost_mid_training_stops_every_node_and_the_job_resumes_across_no
     assert json.loads(out0)["run_id"] == run.info.run_id and len(_runs()) == 1
     client = MlflowClient()
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
-    logged = sorted({m.step for m in client.get_metric_history(run.info.run_id, "train/loss")})
+    logged = sorted({m.step for m in client.get_metric_history(run.info.run_id, names.TRAIN_LOSS)})
     assert logged == list(range(1, steps + 1)), logged
 
 

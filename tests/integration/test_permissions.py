@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
+from draftline import names
 from draftline.cli import cli
 from draftline.drafter.aux_ids import served_aux_fields
 from draftline.export.upload import CHECKSUMS, sha256_manifest
@@ -52,8 +53,8 @@ def registry(auth_server, tmp_path_factory):
         _exported_version(client, tmp_path_factory.mktemp("export"))
     client.transition_model_version_stage(MODEL, "1", "Production")
     client.set_registered_model_alias(MODEL, "production", "1")
-    with mlflow.start_run(tags={"draftline.step": "finetune"}) as finetune:
-        mlflow.log_param("verifier.name_or_path", "/v")
+    with mlflow.start_run(tags={names.STEP: "finetune"}) as finetune:
+        mlflow.log_param(names.VERIFIER_NAME_OR_PATH, "/v")
     auth.grant_user_permission("stranger", "registered_model", MODEL, "DENY")
     yield {"uri": auth_server, "finetune": finetune.info.run_id}
     mp.undo()
@@ -76,7 +77,7 @@ def _exported_version(client, export):
     return client.create_model_version(
         MODEL, source=f"models:/{model.model_id}", run_id=run.info.run_id, model_id=model.model_id,
         tags={**TAGS, "metric.val/acceptance_length": "1.5", "metric.train/acceptance_length": "1.5",
-              "export.sha256": manifest_digest(manifest)})
+              names.EXPORT_SHA256: manifest_digest(manifest)})
 
 
 @contextlib.contextmanager

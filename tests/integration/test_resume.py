@@ -12,6 +12,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from draftline import names
+
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +51,7 @@ def _resumed_equals_uninterrupted(flags: list, run_id: str, params_before: dict)
     assert "resumed from" in done.stderr
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params == params_before
-    steps = sorted({m.step for m in client.get_metric_history(run_id, "train/loss")})
+    steps = sorted({m.step for m in client.get_metric_history(run_id, names.TRAIN_LOSS)})
     assert steps == [1, 2, 3, 4]
 
     straight = subprocess.run(_draftline("finetune", *flags), capture_output=True, text=True)
@@ -111,8 +113,8 @@ def test_an_mla_drafter_under_zero3_from_its_whole_vocabulary_parent_resumes_as_
     run_id = _killed_at_step2(flags)
     params = _resumed_equals_uninterrupted(flags, run_id, MlflowClient().get_run(run_id).data.params)
     whole = json.loads((kimi["verifier"] / "config.json").read_text())["vocab_size"]
-    assert params["drafter.layer"] == "mla" and params["zero.stage"] == "3" and params["vocab.policy"] == "parent"
-    assert params["vocab.draft_size"] == str(whole) and params["vocab.dropped"] == "0", params
+    assert params[names.DRAFTER_LAYER] == "mla" and params[names.ZERO_STAGE] == "3" and params[names.VOCAB_POLICY] == "parent"
+    assert params[names.VOCAB_DRAFT_SIZE] == str(whole) and params[names.VOCAB_DROPPED] == "0", params
 
 
 def test_prepare_killed_during_capture_resumes_in_the_same_run_and_writes_the_same_data(workspace, tiny, prepared):

@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
+from draftline import names
 from draftline.cli import cli
 from draftline.registry.versions import model_id_of
 from draftline.serving.client import read_counters
@@ -96,7 +97,7 @@ def test_serve_from_the_light_install_follows_production_and_observe_follows_ser
     for _ in range(3):  # what a promotion and a rollback move between, and a version whose files fail their check
         invoke("export", "--run", ft["run_id"], "--registered-model", name, "--vllm-check", "off")
     client = MlflowClient()
-    client.set_model_version_tag(name, "3", "export.sha256", "0" * 64)  # its files are not the ones registered
+    client.set_model_version_tag(name, "3", names.EXPORT_SHA256, "0" * 64)  # its files are not the ones registered
     policy = tmp_path / "production.yaml"
     policy.write_text("stage: Production\nexport_validated: false\n")
     invoke("promote", name, "1", "--to", "Production", "--policy", str(policy))

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from draftline import names
+
 pytestmark = pytest.mark.integration
 
 
@@ -90,7 +92,7 @@ def test_a_signal_saves_a_checkpoint_ends_the_run_killed_and_says_how_to_resume(
         assert json.loads(done.stdout)["run_id"] == run_id
         run = MlflowClient().get_run(run_id)
         assert run.info.status == "FINISHED"
-        steps = {m.step for m in MlflowClient().get_metric_history(run_id, "train/loss")}
+        steps = {m.step for m in MlflowClient().get_metric_history(run_id, names.TRAIN_LOSS)}
         assert steps == set(range(1, 41))
 
 
@@ -174,7 +176,7 @@ def test_a_tracking_server_outage_mid_run_loses_no_metric(workspace, prepared, t
         client = MlflowClient(uri)
         run_id = json.loads(out)["run_id"]
         assert client.get_run(run_id).info.status == "FINISHED"
-        got = {m.step for m in client.get_metric_history(run_id, "train/loss")}
+        got = {m.step for m in client.get_metric_history(run_id, names.TRAIN_LOSS)}
         assert got == set(range(1, steps + 1))
     finally:
         stop(server)

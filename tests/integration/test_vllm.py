@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftline import names
 from tests.kit import greedy
 
 pytestmark = pytest.mark.integration
@@ -44,12 +45,12 @@ def export_for_fp8_verifier(tiny, tmp_path: Path, *, inherit_quantization: bool)
     t2d[:256] = True
     model = build_draft_model(str(verifier), d2t=d2t, t2d=t2d, aux_layer_ids=AUX, draft_vocab_size=256,
                               dtype=torch.bfloat16, layer=layer_config(str(verifier)))
-    lineage = {"verifier.name_or_path": "draftline/tiny-verifier"}
+    lineage = {names.VERIFIER_NAME_OR_PATH: "draftline/tiny-verifier"}
     if inherit_quantization:  # export refuses to write it; the directory as the old export wrote it
         model.config.transformer_layer_config.quantization_config = KIMI_K2_FP8
         with pytest.raises(CheckpointError, match="carries a quantization_config"):
             write_drafter(model, tmp_path / "refused", lineage, {})
-        save_served(model, tmp_path / "drafter", lineage["verifier.name_or_path"])
+        save_served(model, tmp_path / "drafter", lineage[names.VERIFIER_NAME_OR_PATH])
     else:
         write_drafter(model, tmp_path / "drafter", lineage, {})
     return tmp_path / "drafter"
@@ -148,7 +149,7 @@ def test_the_user_story_on_real_vllm(workspace, tiny, tmp_path, monkeypatch, vll
 
     ex = invoke("export", "--run", ft["run_id"], "--registered-model", "real-drafter", "--vllm-check", "on")
     mv = MlflowClient().get_model_version("real-drafter", ex["version"])
-    assert mv.tags["export.vllm_check"].startswith("passed")
+    assert mv.tags[names.EXPORT_VLLM_CHECK].startswith("passed")
     policies = tmp_path / "policies"
     policies.mkdir()
     (policies / "production.yaml").write_text("stage: Production\nexport_validated: true\nevaluation:\n"

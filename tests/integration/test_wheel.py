@@ -10,6 +10,8 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
+from draftline import names
+
 from .conftest import clean_env
 
 pytestmark = pytest.mark.integration
@@ -50,7 +52,7 @@ def test_the_wheel_installed_elsewhere_runs_finetune_help_plan_and_promote(tmp_p
     with mlflow.start_run() as run:
         mlflow.log_text("weights", "drafter/model.txt")
     client.create_model_version("d", source=f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id,
-                                tags={"export.validated": "true"})
+                                tags={names.EXPORT_VALIDATED: "true"})
     r = draftline("promote", "d", "1", "--to", "Production", "--dry-run")
     # the policy shipped in the wheel was read: its rules are printed (this bare version fails them)
     assert "train.pairing is vllm-shifted" in r.stdout + r.stderr and "export validated" in r.stdout + r.stderr

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlflow
 
+from draftline import names
 from draftline.config import CACHE_ENV
 from draftline.drafter.aux_ids import served_aux_fields
 from draftline.registry.promotion import promote, rollback
@@ -29,10 +30,10 @@ from draftline.registry.transfer import CHECKSUMS
 from draftline.registry.versions import checksums_tag
 from draftline.util import file_sha256, manifest_digest
 
-TAGS = {"init": "tiny", "parent.source": "draftline/tiny-parent", "parent.sha256": "ab" * 32,
-        "parent.layout": "midlayer", "vocab.policy": "parent", "verifier.name_or_path": "org/verifier",
-        "verifier.aux_layers": "[2, 4, 5]", "data.digest": "cd" * 32, "finetune.run_id": "r1",
-        "export.validated": "true", "train.pairing": "vllm-shifted", "metric.val/acceptance_length": "1.5",
+TAGS = {"init": "tiny", names.PARENT_SOURCE: "draftline/tiny-parent", names.PARENT_SHA256: "ab" * 32,
+        names.PARENT_LAYOUT: "midlayer", names.VOCAB_POLICY: "parent", names.VERIFIER_NAME_OR_PATH: "org/verifier",
+        names.VERIFIER_AUX_LAYERS: "[2, 4, 5]", names.DATA_DIGEST: "cd" * 32, names.FINETUNE_RUN_ID: "r1",
+        names.EXPORT_VALIDATED: "true", names.TRAIN_PAIRING: "vllm-shifted", "metric.val/acceptance_length": "1.5",
         "metric.train/acceptance_length": "1.5"}
 
 
@@ -49,7 +50,7 @@ def publish(client, name: str, versions: int, mib: int, root: Path) -> dict[str,
         d = root / f"{name}-export-{k}"
         d.mkdir(parents=True)
         (d / "config.json").write_text(json.dumps({"export": k, "speculators_config": {
-            "verifier": {"name_or_path": TAGS["verifier.name_or_path"]}}, **served_aux_fields([2, 4, 5])}))
+            "verifier": {"name_or_path": TAGS[names.VERIFIER_NAME_OR_PATH]}}, **served_aux_fields([2, 4, 5])}))
         (d / "README.md").write_text("# a drafter of the fleet test\n")
         (d / "model.safetensors").write_bytes(random.Random(k).randbytes(mib << 20))
         manifest = {p.name: file_sha256(p) for p in sorted(d.iterdir())}
@@ -57,7 +58,7 @@ def publish(client, name: str, versions: int, mib: int, root: Path) -> dict[str,
         with mlflow.start_run() as run:
             mlflow.log_artifacts(str(d), "drafter")
         mv = client.create_model_version(name, f"{run.info.artifact_uri}/drafter", run_id=run.info.run_id,
-                                         tags={**TAGS, "export.sha256": manifest_digest(manifest),
+                                         tags={**TAGS, names.EXPORT_SHA256: manifest_digest(manifest),
                                                **checksums_tag(manifest)})
         out[str(mv.version)] = manifest
     return out

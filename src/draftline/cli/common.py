@@ -20,6 +20,7 @@ import pydantic
 from draftline import console, environment
 from draftline.config import check_model_name, load_file, resolve
 from draftline.errors import DraftlineError
+from draftline.results import Result
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -260,7 +261,7 @@ def _result(fn, *args, **kwargs):
     `draftline ... | jq` always works."""
     with _stdout_to_stderr():
         out = fn(*args, **kwargs)
-    click.echo(json.dumps(out, indent=2, default=str))
+    click.echo(json.dumps(out.to_json() if isinstance(out, Result) else out, indent=2, default=str))
     return out
 
 

@@ -11,10 +11,11 @@ import logging
 import mlflow
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_PROJECT_ENTRY_POINT
 
-from draftline import tracking
+from draftline import names, tracking
 from draftline.config import project_root
 from draftline.errors import DraftlineError, TrainingError
 from draftline.registry import lineage
+from draftline.results import MainResult
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def _step(client, experiment_id, entry_point: str, params: dict[str, object], co
 
 
 def run_main(*, conversations: str, verifier: str, init: str, registered_model: str,
-             extra: dict[str, dict[str, str]] | None = None, use_cache: bool = True) -> dict[str, str]:
+             extra: dict[str, dict[str, str]] | None = None, use_cache: bool = True) -> MainResult:
     extra = extra or {}
     tracking.setup()
     client = tracking.client()
@@ -66,7 +67,7 @@ def run_main(*, conversations: str, verifier: str, init: str, registered_model: 
                                              **extra.get("finetune", {})}, commit, use_cache)
         ex = _step(client, exp, "export", {"run": ft, "registered_model": registered_model,
                                            **extra.get("export", {})}, commit, use_cache=False)
-        version = client.get_run(ex).data.tags.get("draftline.model_version", "")
-        mlflow.set_tags({"draftline.prepare.run_id": prep, "draftline.finetune.run_id": ft,
-                         "draftline.export.run_id": ex, "draftline.model_version": version})
-    return {"prepare_run_id": prep, "finetune_run_id": ft, "export_run_id": ex, "model_version": version}
+        version = client.get_run(ex).data.tags.get(names.MODEL_VERSION, "")
+        mlflow.set_tags({names.PREPARE_RUN: prep, names.FINETUNE_RUN: ft,
+                         names.EXPORT_RUN: ex, names.MODEL_VERSION: version})
+    return MainResult(prepare_run_id=prep, finetune_run_id=ft, export_run_id=ex, model_version=version)

@@ -7,6 +7,7 @@ import json
 
 import click
 
+from draftline import names
 from draftline.cli.common import _stdout_to_stderr, cli, shared_settings
 from draftline.config import FinetuneConfig
 from draftline.data.storage import DEFAULT_SAMPLES, DEFAULT_TOKENS_PER_SAMPLE
@@ -112,7 +113,7 @@ def measured_lengths(data: str, samples: int) -> tuple[int, int, int]:
         manifest = open_prepared(resolve_data(data), verify=False).manifest
     per_sample = max(1, round(manifest["tokens"] / max(manifest["samples"], 1)))
     regenerated = manifest.get("regenerated") or {}
-    reply = int(regenerated.get("data/reply_tokens_p50") or manifest["masked_tokens"] / max(manifest["samples"], 1))
+    reply = int(regenerated.get(names.DATA_REPLY_TOKENS_P50) or manifest["masked_tokens"] / max(manifest["samples"], 1))
     return samples, per_sample, max(1, reply)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from draftline import names
 from draftline.cli.common import _stdout_to_stderr, cli, model_name
 from draftline.store import check_store
 
@@ -101,7 +102,7 @@ def _registry_follow(name: str, stage: str | None, alias: str | None, version: s
 
     def pull(number: str) -> deploy.Version:
         tags = retrying(f"read models:/{name}/{number}", lambda: client.get_model_version(name, number)).tags
-        kind = layer_kind(tags.get("drafter.layer"))
+        kind = layer_kind(tags.get(names.DRAFTER_LAYER))
         if install is not None:
             vllm_install.check(install, kind, f"models:/{name}/{number}")
         if verifier:  # before anything is downloaded
@@ -112,7 +113,7 @@ def _registry_follow(name: str, stage: str | None, alias: str | None, version: s
                                 check=require_served_ids)
         return deploy.Version(number=str(out["version"]), directory=Path(out["path"]),
                               spec=out["speculative_config"], verifier=verifier or out["verifier"],
-                              trust_remote_code=tags.get("verifier.trust_remote_code") == "True",
+                              trust_remote_code=tags.get(names.VERIFIER_TRUST_REMOTE_CODE) == "True",
                               dtype=kind.served_dtype)
 
     def record(number: str, what: str, when: str) -> None:

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from draftline import tracking
+from draftline import names, tracking
 from draftline.config import PrepareConfig, work_dir
 from draftline.console import bar_kwargs, say
 from draftline.data import replies, shards, storage
@@ -32,6 +32,7 @@ from draftline.disk_space import human_bytes
 from draftline.errors import DataError
 from draftline.registry import lineage
 from draftline.registry.lineage import verifier_identity
+from draftline.results import PrepareResult
 from draftline.serving import hf_model
 from draftline.serving.client import redact
 from draftline.serving.engine import vllm_python
@@ -340,8 +341,8 @@ def output_dir(cfg: PrepareConfig, key: str) -> Path:
     return Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else work_dir() / "prepared" / key[:16]
 
 
-def run(cfg: PrepareConfig, *, progress: bool = True, inputs: Inputs | None = None) -> dict[str, str]:
-    """The prepare stage as one MLflow run. Returns ``{"run_id", "data_uri", "digest"}``. ``inputs``: what
+def run(cfg: PrepareConfig, *, progress: bool = True, inputs: Inputs | None = None) -> PrepareResult:
+    """The prepare stage as one MLflow run. ``inputs``: what
     :func:`~draftline.data.inputs.read_inputs` read already (the CLI reads them before this module loads)."""
     inputs = inputs or read_inputs(cfg)
     room = preflight(cfg, inputs)  # before the tracking store, the run and the folder exist
@@ -361,10 +362,10 @@ def run(cfg: PrepareConfig, *, progress: bool = True, inputs: Inputs | None = No
             "data.source": manifest["source"],
             "data.max_length": cfg.max_length,
             "data.max_samples": cfg.max_samples,
-            "data.digest": manifest["digest"],
+            names.DATA_DIGEST: manifest["digest"],
             "data.location": manifest["location"],
             "data.shards_logged": cfg.log_shards,
-            "data.hidden_storage": cfg.hidden_storage,
+            names.DATA_HIDDEN_STORAGE: cfg.hidden_storage,
             **_regeneration_params(manifest),
         })
         mlflow.log_metrics({"data/samples": manifest["samples"], "data/tokens": manifest["tokens"],
@@ -384,8 +385,8 @@ def run(cfg: PrepareConfig, *, progress: bool = True, inputs: Inputs | None = No
         if cfg.log_shards:
             for e in manifest["shards"]:
                 mlflow.log_artifact(str(out / e["file"]), artifact_path="data")
-    return {"run_id": run_id, "data_uri": f"runs:/{run_id}/data", "digest": manifest["digest"],
-            "location": manifest["location"]}
+    return PrepareResult(run_id=run_id, data_uri=f"runs:/{run_id}/data", digest=manifest["digest"],
+                         location=manifest["location"])
 
 
 def _regeneration_params(manifest: dict) -> dict[str, object]:

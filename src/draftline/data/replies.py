@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftline import names
 from draftline.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -116,12 +117,12 @@ class ReplyStats:
 
     def metrics(self) -> dict[str, float]:
         n = max(self.replies, 1)
-        return {"data/replies": self.replies, "data/reply_tokens": self.tokens,
-                "data/truncated_replies": self.truncated,
-                "data/truncated_share": self.truncated / n, "data/reasoning_replies": self.with_reasoning,
-                "data/reasoning_share": self.reasoning_tokens / max(self.tokens, 1),
-                "data/reply_tokens_p50": self.percentile(0.5), "data/reply_tokens_p90": self.percentile(0.9),
-                "data/reply_tokens_max": max(self.lengths, default=0)}
+        return {names.DATA_REPLIES: self.replies, names.DATA_REPLY_TOKENS: self.tokens,
+                names.DATA_TRUNCATED_REPLIES: self.truncated,
+                names.DATA_TRUNCATED_SHARE: self.truncated / n, names.DATA_REASONING_REPLIES: self.with_reasoning,
+                names.DATA_REASONING_SHARE: self.reasoning_tokens / max(self.tokens, 1),
+                names.DATA_REPLY_TOKENS_P50: self.percentile(0.5), names.DATA_REPLY_TOKENS_P90: self.percentile(0.9),
+                names.DATA_REPLY_TOKENS_MAX: max(self.lengths, default=0)}
 
     def summary(self, max_tokens: int) -> str:
         cut = (f"{self.truncated} of {self.replies} cut at --regenerate-max-tokens {max_tokens}"

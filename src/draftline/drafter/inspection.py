@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftline import tracking
+from draftline import names, tracking
 from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
 from draftline.drafter.handoff import WEIGHTS
 from draftline.drafter.shape import MIDLAYER_PREFIX, SPECULATORS_PREFIX, aux_layer_ids, key_remap
@@ -43,11 +43,11 @@ def _local_config(root: Path, config: dict) -> dict:
 def _config_from_metadata(meta: dict) -> dict:
     """A handed-on weights folder has no config.json: its lineage names the verifier and the aux layers."""
     lin = meta.get("lineage", {})
-    aux = lin.get("verifier.aux_layers")
+    aux = lin.get(names.VERIFIER_AUX_LAYERS)
     if isinstance(aux, str):
         aux = [int(x) for x in aux.strip("[]").split(",") if x.strip()]
     return {"eagle_aux_hidden_state_layer_ids": aux,
-            "speculators_config": {"verifier": {"name_or_path": lin.get("verifier.name_or_path")}}}
+            "speculators_config": {"verifier": {"name_or_path": lin.get(names.VERIFIER_NAME_OR_PATH)}}}
 
 
 def _remote(target: str) -> dict:
@@ -75,21 +75,21 @@ def _remote(target: str) -> dict:
         raise DataError(f"{target}: run {run_id} does not exist on {tracking_uri()}") from None
     root = ArtifactDir(run.info.artifact_uri)
     note = None
-    if path in (None, "checkpoints", "checkpoints/") and run.data.tags.get("draftline.step") == "finetune":
+    if path in (None, "checkpoints", "checkpoints/") and run.data.tags.get(names.STEP) == "finetune":
         if path:
             note = f"{target} holds DeepSpeed ZeRO checkpoints (optimizer state included); described: the " \
                    f"weights the run handed on, runs:/{run_id}/{WEIGHTS}"
         path = WEIGHTS
-    names = [n for n, is_dir in root.list(path) if not is_dir]
-    weights = sorted(n for n in names if n.endswith(".safetensors"))
+    files = [n for n, is_dir in root.list(path) if not is_dir]
+    weights = sorted(n for n in files if n.endswith(".safetensors"))
     if not weights:
         raise CheckpointError(f"{target} holds no safetensors weights (found: "
-                              f"{', '.join(Path(n).name for n in names) or 'nothing'}); for a finetune run pass "
+                              f"{', '.join(Path(n).name for n in files) or 'nothing'}); for a finetune run pass "
                               f"runs:/<run>/{WEIGHTS}, for a version models:/NAME/K")
     base = path.rstrip("/") + "/" if path else ""
-    config = root.read_json(base + "config.json") if base + "config.json" in names else \
+    config = root.read_json(base + "config.json") if base + "config.json" in files else \
         _config_from_metadata(root.read_json(base + "training_metadata.json")) \
-        if base + "training_metadata.json" in names else {}
+        if base + "training_metadata.json" in files else {}
     header = {}
     for w in weights:
         header.update(root.safetensors_header(w))

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import mlflow
 
-from draftline import tracking
+from draftline import names, tracking
 from draftline.data.regenerate import served_models
 from draftline.drafter.aux_ids import require_served_ids
 from draftline.errors import DataError, DraftlineError, RegistryError
-from draftline.registry.evidence import MEASURED, MEASURED_HIGH, MEASURED_LOW, evaluations_of
+from draftline.registry.evidence import evaluations_of
 from draftline.registry.policies import policy_set
 from draftline.registry.versions import model_id_of, resolve_version
 from draftline.serving.client import auth_headers, read_counters, redact
@@ -118,13 +118,13 @@ def identify(client, *, drafter_dir: str | None, version: str | None):
 def promised(client, mv) -> tuple[float, float, float, str] | None:
     """The version's measured acceptance on the Production policy's evaluation set (else its newest measured
     one): ``(value, low, high, set name)``, or None when it was never measured."""
-    evaluations = [e for e in evaluations_of(client, model_id_of(mv)) if MEASURED in e.metrics]
+    evaluations = [e for e in evaluations_of(client, model_id_of(mv)) if names.MEASURED_ACCEPTANCE_LENGTH in e.metrics]
     if not evaluations:
         return None
     wanted = policy_set("Production")
     ev = next((e for e in evaluations if e.name == wanted), evaluations[0])
     m = ev.metrics
-    return m[MEASURED], m.get(MEASURED_LOW, m[MEASURED]), m.get(MEASURED_HIGH, m[MEASURED]), ev.name
+    return m[names.MEASURED_ACCEPTANCE_LENGTH], m.get(names.MEASURED_LOW, m[names.MEASURED_ACCEPTANCE_LENGTH]), m.get(names.MEASURED_HIGH, m[names.MEASURED_ACCEPTANCE_LENGTH]), ev.name
 
 
 def verdict(w: Window, evaluated: tuple[float, float, float, str] | None) -> tuple[bool, str]:
@@ -182,7 +182,7 @@ def run(client, endpoints: list[str], *, model: str | None, drafter_dir: str | N
     below_any, out, recorded = False, {}, 0
     while True:
         evaluated = promised(client, mv)
-        tags = {"draftline.observe.version": f"models:/{mv.name}/{mv.version}", "draftline.observe.model": model}
+        tags = {names.OBSERVE_VERSION: f"models:/{mv.name}/{mv.version}", "draftline.observe.model": model}
         with tracking.stage_run("observe", run_name=f"observe {mv.name} v{mv.version}", tags=tags) as active:
             tracking.log_params_once({"endpoints": ",".join(redact(e) for e in endpoints), "model": model,
                                       "window_s": window_s, "version": f"models:/{mv.name}/{mv.version}"})
@@ -227,10 +227,10 @@ def _record(w: Window, below: bool, model_id: str | None, run_id: str, step: int
     metrics = {**w.metrics(), f"{SERVED}/below_evaluation": float(below)}
     mlflow.log_metrics(metrics, step=step, model_id=model_id)  # on the run, linked to the version's model
     mlflow.set_logged_model_tags(model_id, {
-        "served.acceptance_length": f"{w.acceptance_length:.4f}",
-        "served.verdict": "below evaluation" if below else "as evaluated",
-        "served.observed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "served.observe_run_id": run_id})
+        names.SERVED_ACCEPTANCE_LENGTH: f"{w.acceptance_length:.4f}",
+        names.SERVED_VERDICT: "below evaluation" if below else "as evaluated",
+        names.SERVED_OBSERVED_AT: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        names.SERVED_OBSERVE_RUN: run_id})
 
 
 def _next_window(endpoints: list[str], model: str, window_s: float, every_s: float, say, served):

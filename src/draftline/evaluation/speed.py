@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import httpx
 from tqdm import tqdm
 
+from draftline import names
 from draftline.console import bar_kwargs
 from draftline.registry.confidence import Interval, throughput_ratio
-from draftline.registry.evidence import SPEED
 from draftline.serving.client import auth_headers, complete
 
-PREFIX = SPEED
+PREFIX = names.SPEED
 SWEEP = "eval/sweep"
 
 

@@ -22,7 +22,7 @@ import mlflow
 import torch
 from transformers import GenerationConfig
 
-from draftline import tracking
+from draftline import names, tracking
 from draftline.config import EvaluateConfig, work_dir
 from draftline.console import say
 from draftline.data.refs import dataset_name, resolve_data
@@ -44,8 +44,9 @@ from draftline.evaluation.speed import (
 from draftline.evaluation.targets import load_drafter, resolve_target
 from draftline.evaluation.teacher_forced import greedy_replies, measure, prompts_of, served_samples
 from draftline.evaluation.vllm_backend import measure_vllm
-from draftline.registry import evidence, lineage
+from draftline.registry import lineage
 from draftline.registry.confidence import PER_PROMPT_FILE, acceptance_interval, acceptance_of, carry_per_prompt
+from draftline.results import EvaluateResult, Measured
 from draftline.serving import hf_model
 from draftline.serving.client import TOP_LOGPROBS
 from draftline.serving.engine import cannot_draft_beside, vllm_python
@@ -86,7 +87,7 @@ def _predicted(cfg: EvaluateConfig, drafter, records, manifest: dict, measured: 
                         tokens_per_batch=cfg.tokens_per_batch, progress=progress).get("walk_acceptance_length")
     if predicted is None:  # no draft is made on these replies (all shorter than two tokens)
         return {}
-    out = {evidence.PREDICTED: predicted, "eval/predicted/prompts": float(len(kept))}
+    out = {names.PREDICTED: predicted, names.PREDICTED_PROMPTS: float(len(kept))}
     if outputs is not None and len(kept) < len(outputs):
         on_kept = _measured_on(per_prompt or [], [j for j, _ in kept])
         if on_kept is None:
@@ -96,7 +97,7 @@ def _predicted(cfg: EvaluateConfig, drafter, records, manifest: dict, measured: 
         say(f"warning: served acceptance {measured:.3f}, but the drafter's own forward over the same greedy "
             f"replies predicts {predicted:.3f}: what is served is not the model that was trained (compare the "
             "export's config.json with the checkpoint: norm_before_residual, target layers, d2t; docs/design.md)")
-    return {**out, "eval/predicted/difference": measured - predicted}
+    return {**out, names.PREDICTED_DIFFERENCE: measured - predicted}
 
 
 def _measured_on(per_prompt: list[dict], prompts: list[int]) -> float | None:
@@ -200,7 +201,7 @@ def _say_lossless(chain, n_prompts: int) -> None:
             "batching")
 
 
-def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
+def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> EvaluateResult:
     """Evaluate ``cfg.target`` on ``cfg.data``; returns the headline numbers and the run id. SIGTERM/SIGINT stop
     it with exit 143/130 and one line: the metrics are logged in one go at the end, so a stopped evaluation
     logged nothing (its run, if it had opened one, ends KILLED)."""
@@ -210,7 +211,7 @@ def run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
         return _run(cfg, progress=progress)
 
 
-def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
+def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> EvaluateResult:
     progress = sys.stderr.isatty() if progress is None else progress
     tracking.setup()
     client = tracking.client()
@@ -238,12 +239,12 @@ def _run(cfg: EvaluateConfig, *, progress: bool | None = None) -> dict:
                                    outputs=chain.outputs or None, per_prompt=chain.per_prompt))
         interval = _measured_metrics(cfg, chain, n_prompts, cross, backend, metrics)
     run_id = _log_evaluation(cfg, target, data_name, manifest, metrics, chain, n_prompts, backend)
-    out = {"run_id": run_id, "target": target.name, "data": f"{data_name} ({manifest['digest'][:12]})",
-           "teacher_forced_acceptance_length": round(tf["acceptance_length"], 4),
-           "teacher_forced_walk_acceptance_length": round(tf["walk_acceptance_length"], 4)}
-    if chain is not None:
-        out.update(_measured_summary(cfg, chain, n_prompts, cross, backend, metrics, interval))
-    return out
+    return EvaluateResult(
+        run_id=run_id, target=target.name, data=f"{data_name} ({manifest['digest'][:12]})",
+        teacher_forced_acceptance_length=round(tf["acceptance_length"], 4),
+        teacher_forced_walk_acceptance_length=round(tf["walk_acceptance_length"], 4),
+        measured=None if chain is None else _measured_summary(cfg, chain, n_prompts, cross, backend, metrics,
+                                                               interval))
 
 
 def _measured_metrics(cfg: EvaluateConfig, chain, n_prompts: int, cross, backend: str, metrics: dict):
@@ -253,13 +254,13 @@ def _measured_metrics(cfg: EvaluateConfig, chain, n_prompts: int, cross, backend
         metrics.update({f"eval/inprocess/{k}": v for k, v in cross.metrics().items()})
         metrics["eval/inprocess/acceptance_length_difference"] = chain.acceptance_length - cross.acceptance_length
     metrics.update({f"eval/measured/{k}": v for k, v in chain.metrics().items()})
-    metrics["eval/measured/prompts"] = float(n_prompts)
+    metrics[names.MEASURED_PROMPTS] = float(n_prompts)
     interval = None
     if chain.per_prompt:
         interval = acceptance_interval(chain.per_prompt, level=cfg.confidence)
-        metrics.update({"eval/measured/acceptance_length_low": interval.low,
-                        "eval/measured/acceptance_length_high": interval.high,
-                        "eval/measured/confidence": cfg.confidence})
+        metrics.update({names.MEASURED_LOW: interval.low,
+                        names.MEASURED_HIGH: interval.high,
+                        names.MEASURED_CONFIDENCE: cfg.confidence})
         say(f"measured {interval.text()} on {interval.n} prompts ({cfg.confidence:.0%} interval, "
             f"width {interval.width:.2f}; {backend})")
     metrics.update(speed_metrics(chain.speeds))
@@ -270,14 +271,14 @@ def _measured_metrics(cfg: EvaluateConfig, chain, n_prompts: int, cross, backend
         say(f"speed with the drafter: {speed.text()}" + (verdict and f"{verdict} (on a GPU deployment it must pay: "
                                                           "DRAFTLINE_REGISTRY_POLICIES=registry_policies/gpu gates on it)"))
     guessed = recommend_num_speculative_tokens(chain.per_position_rates, cfg.draft_cost_ratio)
-    metrics[evidence.RECOMMENDED_K] = float(guessed)
+    metrics[names.RECOMMENDED_K] = float(guessed)
     if chain.sweep:
         metrics.update(sweep_metrics(chain.sweep))
         fastest = fastest_k(chain.sweep)
-        metrics[evidence.RECOMMENDED_K] = float(fastest)
+        metrics[names.RECOMMENDED_K] = float(fastest)
         say(f"num_speculative_tokens: k={fastest} decodes fastest here ({sweep_text(chain.sweep)}); the cost "
             f"model, at --draft-cost-ratio {cfg.draft_cost_ratio}, would have guessed k={guessed}")
-    metrics[evidence.RECOMMENDED_K_MEASURED] = float(bool(chain.sweep))
+    metrics[names.RECOMMENDED_K_MEASURED] = float(bool(chain.sweep))
     _say_lossless(chain, n_prompts)
     return interval
 
@@ -296,7 +297,7 @@ def _log_evaluation(cfg: EvaluateConfig, target, data_name: str, manifest: dict,
         tracking.log_params_once({
             "target": cfg.target, "target.kind": target.kind, "target.sha256": target.sha256,
             "target.layout": target.layout, "checkpoint": cfg.checkpoint if target.run_id else "none",
-            "data.digest": manifest["digest"], "data.name": data_name, "data.uri": cfg.data,
+            names.DATA_DIGEST: manifest["digest"], names.DATA_NAME: data_name, names.DATA_URI: cfg.data,
             **lineage.verifier_params(manifest),
             "num_speculative_tokens": cfg.num_speculative_tokens, "max_new_tokens": cfg.max_new_tokens,
             "prompts": n_prompts, "backend": backend, "draft_cost_ratio": cfg.draft_cost_ratio})
@@ -319,27 +320,21 @@ def _log_evaluation(cfg: EvaluateConfig, target, data_name: str, manifest: dict,
 
 
 def _measured_summary(cfg: EvaluateConfig, chain, n_prompts: int, cross, backend: str, metrics: dict,
-                      interval) -> dict:
+                      interval) -> Measured:
     """The measured half of what evaluate prints."""
-    out = {"measured_acceptance_length": round(chain.acceptance_length, 4),
-           "acceptance_rate_per_position": [round(r, 4) for r in chain.per_position_rates],
-           "lossless": chain.lossless if chain.lossless_checked else None, "prompts": n_prompts,
-           "backend": backend, "recommended_num_speculative_tokens": int(metrics[evidence.RECOMMENDED_K])}
-    if evidence.PREDICTED in metrics:
-        out["predicted_acceptance_length"] = round(metrics[evidence.PREDICTED], 4)
-    if cross is not None:
-        out["inprocess_acceptance_length"] = round(cross.acceptance_length, 4)
-    if interval is not None:
-        out["measured_interval"] = [round(interval.low, 4), round(interval.high, 4)]
-        out["confidence"] = cfg.confidence
-    if chain.speeds:
-        out["speedup"] = speed_summary(chain.speeds)
-    if chain.sweep:
-        out["sweep"] = {f"k{k}": speed_summary(v) for k, v in sorted(chain.sweep.items())}
-        out["recommended_from"] = f"measured speed at concurrency {lowest(chain.sweep)}"
-    else:
-        out["recommended_from"] = f"cost model (draft cost ratio {cfg.draft_cost_ratio})"
-    return out
+    return Measured(
+        measured_acceptance_length=round(chain.acceptance_length, 4),
+        acceptance_rate_per_position=[round(r, 4) for r in chain.per_position_rates],
+        lossless=chain.lossless if chain.lossless_checked else None, prompts=n_prompts, backend=backend,
+        recommended_num_speculative_tokens=int(metrics[names.RECOMMENDED_K]),
+        recommended_from=(f"measured speed at concurrency {lowest(chain.sweep)}" if chain.sweep
+                          else f"cost model (draft cost ratio {cfg.draft_cost_ratio})"),
+        predicted_acceptance_length=round(metrics[names.PREDICTED], 4) if names.PREDICTED in metrics else None,
+        inprocess_acceptance_length=round(cross.acceptance_length, 4) if cross is not None else None,
+        measured_interval=[round(interval.low, 4), round(interval.high, 4)] if interval is not None else None,
+        confidence=cfg.confidence if interval is not None else None,
+        speedup=speed_summary(chain.speeds) if chain.speeds else None,
+        sweep={f"k{k}": speed_summary(v) for k, v in sorted(chain.sweep.items())} if chain.sweep else None)
 
 
 def evaluations_for(client, finetune_run_id: str, step: int | None) -> list[dict]:

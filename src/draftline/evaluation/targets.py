@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from mlflow.exceptions import MlflowException
 
-from draftline import tracking
+from draftline import names, tracking
 from draftline.drafter.aux_ids import aux_layer_ids, served_aux_fields
 from draftline.drafter.checkpoints import detect_layout, find_checkpoint, read_header
 from draftline.drafter.handoff import fetch_weights, write_weights
@@ -55,8 +55,8 @@ def _finetune_run(client, ref: str):
         if not absent(e):
             raise_failure(e, f"read run {run_id} (--target)", "READ permission on its experiment")
         raise DataError(f"target {ref}: run {run_id} does not exist on this tracking server") from None
-    if run.data.tags.get("draftline.step") != "finetune" or run.info.status != "FINISHED":
-        raise DataError(f"target {ref} is not a finished finetune run (step {run.data.tags.get('draftline.step')}, "
+    if run.data.tags.get(names.STEP) != "finetune" or run.info.status != "FINISHED":
+        raise DataError(f"target {ref} is not a finished finetune run (step {run.data.tags.get(names.STEP)}, "
                         f"status {run.info.status}): pass a finetune run, a models:/ URI or a parent")
     return run
 

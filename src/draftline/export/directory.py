@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from draftline import names
 from draftline.config import ExportConfig
 from draftline.drafter.aux_ids import served_ids_problem
 from draftline.drafter.served import save_served, short_form
@@ -19,10 +20,10 @@ from draftline.registry.lineage import LINEAGE_FILE
 def serving_id(cfg: ExportConfig, params: dict[str, str]) -> str:
     """The verifier as a serving host knows it (``vllm serve <pulled dir>`` loads it by this), never a path
     on the training host."""
-    recorded = params.get("verifier.name_or_path", "")
+    recorded = params.get(names.VERIFIER_NAME_OR_PATH, "")
     chosen = cfg.verifier_id or recorded
     if not chosen or Path(chosen).is_absolute() or chosen.startswith(("./", "../", "~")) or (
-            chosen == params.get("verifier.path") and not cfg.verifier_id):
+            chosen == params.get(names.VERIFIER_PATH) and not cfg.verifier_id):
         raise DataError(f"the finetune run recorded its verifier only as the path {recorded} on the training host, "
                         "which a serving host cannot load: pass --verifier-id ORG/NAME (the Hugging Face repo id "
                         "the serving hosts load it by), here or to prepare")
@@ -35,31 +36,31 @@ def evaluation_rows(evaluated: list[dict]) -> str:
     rows = []
     for result in evaluated:
         m = result["metrics"]
-        if "eval/measured/acceptance_length" not in m:
+        if names.MEASURED_ACCEPTANCE_LENGTH not in m:
             continue
-        acc = f"{m['eval/measured/acceptance_length']:.3f}"
-        if "eval/measured/acceptance_length_low" in m:
-            acc += f" [{m['eval/measured/acceptance_length_low']:.3f}, {m['eval/measured/acceptance_length_high']:.3f}]"
+        acc = f"{m[names.MEASURED_ACCEPTANCE_LENGTH]:.3f}"
+        if names.MEASURED_LOW in m:
+            acc += f" [{m[names.MEASURED_LOW]:.3f}, {m[names.MEASURED_HIGH]:.3f}]"
         speeds = sorted((int(k.split("/")[2][1:]), k.rsplit("/", 1)[0]) for k in m
                         if k.startswith("eval/speed/c") and k.endswith("/speedup"))
         speed = "; ".join(f"x{_speedup(m, p).text('wave')} at concurrency {c} ({m[p + '/drafted_tokens_per_s']:.1f} vs "
                           f"{m[p + '/plain_tokens_per_s']:.1f} tokens/s)" for c, p in speeds) or "not measured"
-        prompts = int(m.get("eval/measured/prompts", 0))
+        prompts = int(m.get(names.MEASURED_PROMPTS, 0))
         rows.append(f"| {result['data']['name']} (`{result['data']['digest'][:12]}`) | {prompts} | {acc} | {speed} |")
     return "\n".join(rows)
 
 
 def _speedup(m: dict[str, float], p: str) -> Interval:
     return Interval(m[p + "/speedup"], m[p + "/speedup_low"], m[p + "/speedup_high"],
-                    m.get("eval/measured/confidence", 0.95), int(m.get(p + "/waves", 2)))
+                    m.get(names.MEASURED_CONFIDENCE, 0.95), int(m.get(p + "/waves", 2)))
 
 
 def model_card(lineage: dict, metrics: dict[str, float], evaluated: list[dict] | None = None) -> str:
-    base = lineage.get("parent.source") if lineage.get("parent.source") not in (None, "none") else \
-        lineage.get("verifier.name_or_path")
+    base = lineage.get(names.PARENT_SOURCE) if lineage.get(names.PARENT_SOURCE) not in (None, "none") else \
+        lineage.get(names.VERIFIER_NAME_OR_PATH)
     rows = "\n".join(f"| `{k}` | `{v}` |" for k, v in sorted(lineage.items()))
     mrows = "\n".join(f"| `{k}` | {v:.4f} |" for k, v in sorted(metrics.items()))
-    relation = "base_model_relation: finetune\n" if lineage.get("parent.source") not in (None, "none") else ""
+    relation = "base_model_relation: finetune\n" if lineage.get(names.PARENT_SOURCE) not in (None, "none") else ""
     erows = evaluation_rows(evaluated or [])
     evaluations = ("" if not erows else "\n## Measured by vLLM beside the verifier\n\nServed acceptance length and "
                    "tokens per second with the drafter over without it, on the same prompts (95% intervals; on the "
@@ -68,14 +69,14 @@ def model_card(lineage: dict, metrics: dict[str, float], evaluated: list[dict] |
     return f"""---
 base_model: {base}
 {relation}license: other  # the parent's and the verifier's licenses apply
-datasets: [draftline-data-{str(lineage.get('data.digest', 'unknown'))[:12]}]
+datasets: [draftline-data-{str(lineage.get(names.DATA_DIGEST, 'unknown'))[:12]}]
 library_name: speculators
 tags: [eagle3, speculative-decoding, draftline]
 ---
 # EAGLE-3 drafter
 
-Trained by draftline for the verifier `{lineage.get('verifier.name_or_path')}` on data set
-`{lineage.get('data.digest')}` (sha256 over its shards); serve it with vLLM, where that verifier loads by its id:
+Trained by draftline for the verifier `{lineage.get(names.VERIFIER_NAME_OR_PATH)}` on data set
+`{lineage.get(names.DATA_DIGEST)}` (sha256 over its shards); serve it with vLLM, where that verifier loads by its id:
 
 ```
 {serve_lines(lineage)}
@@ -97,10 +98,10 @@ Trained by draftline for the verifier `{lineage.get('verifier.name_or_path')}` o
 
 def serve_lines(lineage: dict) -> str:
     """The serve lines of the model card: the short form where vLLM reads the verifier from the directory."""
-    k = lineage.get("eval.recommended_num_speculative_tokens", lineage.get("ttt_steps", 3))
+    k = lineage.get(names.EVAL_RECOMMENDED_K, lineage.get(names.TTT_STEPS, 3))
     spec = f'''--speculative-config '{{"model": "<this dir>", "method": "eagle3", "num_speculative_tokens": {k}}}'''
-    long = f"vllm serve {lineage.get('verifier.name_or_path')} {spec}"
-    kind = layer_kind(lineage.get("drafter.layer"))
+    long = f"vllm serve {lineage.get(names.VERIFIER_NAME_OR_PATH)} {spec}"
+    kind = layer_kind(lineage.get(names.DRAFTER_LAYER))
     if kind is MLA:
         return (f"{long} --dtype {kind.served_dtype}   # an MLA drafter ({kind.vllm_architecture}): vLLM's speculators "
                 "reader knows no MLA layer, so the verifier is named here")
@@ -110,7 +111,7 @@ def serve_lines(lineage: dict) -> str:
 def write_drafter(model, out: Path, lineage: dict, metrics: dict[str, float],
                   evaluated: list[dict] | None = None) -> None:
     """Write the directory vLLM serves (``checksums.json`` comes with the upload)."""
-    save_served(model, out, lineage["verifier.name_or_path"])
+    save_served(model, out, lineage[names.VERIFIER_NAME_OR_PATH])
     cfg = json.loads((out / "config.json").read_text())
     for key in ("draft_vocab_size", "target_hidden_size"):
         if cfg.get(key) is None:

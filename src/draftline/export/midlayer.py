@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
+from draftline import names
 from draftline.drafter.aux_ids import served_aux_fields
 from draftline.drafter.checkpoints import (
     _iter_tensors,
@@ -72,7 +73,7 @@ def write_midlayer(model, out: Path, params: dict[str, str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = to_midlayer_layout({k: v.detach().contiguous() for k, v in model.state_dict().items()})
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    aux = json.loads(params["verifier.aux_layers"])
+    aux = json.loads(params[names.VERIFIER_AUX_LAYERS])
     cfg = specforge_config(model.config.transformer_layer_config, draft_vocab_size=model.draft_vocab_size,
                            aux_layer_ids=aux, form=EagleForm.of_model(model.config),
                            norm_before_residual=bool(model.config.norm_before_residual))

@@ -6,6 +6,7 @@ import json
 
 import torch
 
+from draftline import names
 from draftline.drafter.checkpoints import VERIFIER_OWNED
 from draftline.drafter.model import build_draft_model
 from draftline.errors import CheckpointError
@@ -13,10 +14,10 @@ from draftline.errors import CheckpointError
 
 def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], layer: dict | None = None):
     """A fresh drafter for the run's verifier, decoder layer and vocabulary, with the consolidated weights."""
-    aux = json.loads(params["verifier.aux_layers"])
+    aux = json.loads(params[names.VERIFIER_AUX_LAYERS])
     model = build_draft_model(local_verifier(params), d2t=state["d2t"], t2d=state["t2d"],
                               aux_layer_ids=aux, draft_vocab_size=int(state["d2t"].numel()),
-                              ttt_steps=int(params["ttt_steps"]), dtype=torch.bfloat16, layer=layer)
+                              ttt_steps=int(params[names.TTT_STEPS]), dtype=torch.bfloat16, layer=layer)
     own = set(model.state_dict())
     expected = {k for k in own if k not in VERIFIER_OWNED}
     missing, unknown = sorted(expected - set(state)), sorted(set(state) - own)
@@ -32,4 +33,4 @@ def build_trained_model(state: dict[str, torch.Tensor], params: dict[str, str], 
 def local_verifier(params: dict[str, str]) -> str:
     """Where the finetune run's verifier lies on this host (runs from before ``verifier.path`` kept it in
     ``verifier.name_or_path``)."""
-    return params.get("verifier.path") or params["verifier.name_or_path"]
+    return params.get(names.VERIFIER_PATH) or params[names.VERIFIER_NAME_OR_PATH]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from draftline import names
 from draftline.errors import RegistryError
-from draftline.registry.lineage import HEADLINE_METRICS
 from draftline.registry.versions import resolve_version
 
 
@@ -20,15 +20,15 @@ def ancestors(client, uri: str, max_depth: int = 64) -> list[dict]:
         tags = mv.tags
         chain.append({
             "kind": "version", "uri": f"models:/{name}/{mv.version}", "stage": mv.current_stage,
-            "parent": tags.get("parent.source"), "parent_sha256": tags.get("parent.sha256"),
-            "data_digest": tags.get("data.digest"), "verifier": tags.get("verifier.name_or_path"),
-            "vocab_policy": tags.get("vocab.policy"), "finetune_run_id": tags.get("finetune.run_id"),
-            "metrics": {k: float(tags[f"metric.{k}"]) for k in HEADLINE_METRICS if f"metric.{k}" in tags},
+            "parent": tags.get(names.PARENT_SOURCE), "parent_sha256": tags.get(names.PARENT_SHA256),
+            "data_digest": tags.get(names.DATA_DIGEST), "verifier": tags.get(names.VERIFIER_NAME_OR_PATH),
+            "vocab_policy": tags.get(names.VOCAB_POLICY), "finetune_run_id": tags.get(names.FINETUNE_RUN_ID),
+            "metrics": {k: float(tags[f"metric.{k}"]) for k in names.HEADLINE_METRICS if f"metric.{k}" in tags},
         })
-        parent = tags.get("parent.source") or "none"
+        parent = tags.get(names.PARENT_SOURCE) or "none"
         if not parent.startswith("models:/"):
             chain.append({"kind": "root", "uri": parent if parent != "none" else "random init",
-                          "sha256": tags.get("parent.sha256"), "revision": tags.get("parent.revision")})
+                          "sha256": tags.get(names.PARENT_SHA256), "revision": tags.get(names.PARENT_REVISION)})
             return chain
         name, mv = resolve_version(client, parent)
 

@@ -12,23 +12,11 @@ from dataclasses import dataclass, field
 
 from mlflow.exceptions import MlflowException
 
+from draftline import names
 from draftline.errors import RegistryError
 from draftline.mlflow_errors import absent, raise_failure
 from draftline.registry.confidence import read_per_prompt
 from draftline.registry.versions import model_id_of, resolve_version
-
-MEASURED = "eval/measured/acceptance_length"
-TEACHER_FORCED = "eval/teacher_forced/acceptance_length"
-PREDICTED = "eval/predicted/acceptance_length"  # the walk over the served replies (evaluation/stage.py)
-HEADLINE = "eval/acceptance_length"
-LOSSLESS = "eval/measured/lossless"
-RECOMMENDED_K = "eval/recommended_num_speculative_tokens"
-RECOMMENDED_K_MEASURED = "eval/recommended_num_speculative_tokens_measured"  # 1: from --sweep-k speed, 0: cost model
-SPEED = "eval/speed"  # eval/speed/c<concurrency>/{speedup,speedup_low,...}: evaluation/speed.py
-MEASURED_LOW = "eval/measured/acceptance_length_low"
-MEASURED_HIGH = "eval/measured/acceptance_length_high"
-PROMPTS = "eval/measured/prompts"
-HIGH_LOW = (MEASURED_LOW, MEASURED_HIGH)
 
 
 @dataclass
@@ -40,17 +28,17 @@ class Evaluation:
     per_prompt: list[dict] | None = None  # loaded for the policy's set by evidence_for
 
     def value(self, metric: str, *, prefer_measured: bool = True) -> float | None:
-        if metric == HEADLINE:
+        if metric == names.EVAL_ACCEPTANCE_LENGTH:
             kind = self.headline_kind(prefer_measured)
-            return self.metrics.get(MEASURED if kind == "measured" else TEACHER_FORCED)
+            return self.metrics.get(names.MEASURED_ACCEPTANCE_LENGTH if kind == "measured" else names.TEACHER_FORCED_ACCEPTANCE_LENGTH)
         return self.metrics.get(metric)
 
     def headline_kind(self, prefer_measured: bool = True) -> str:
-        return "measured" if prefer_measured and MEASURED in self.metrics else "teacher-forced"
+        return "measured" if prefer_measured and names.MEASURED_ACCEPTANCE_LENGTH in self.metrics else "teacher-forced"
 
     def summary(self) -> str:
-        tf, me = self.metrics.get(TEACHER_FORCED), self.metrics.get(MEASURED)
-        lo, hi = self.metrics.get(MEASURED_LOW), self.metrics.get(MEASURED_HIGH)
+        tf, me = self.metrics.get(names.TEACHER_FORCED_ACCEPTANCE_LENGTH), self.metrics.get(names.MEASURED_ACCEPTANCE_LENGTH)
+        lo, hi = self.metrics.get(names.MEASURED_LOW), self.metrics.get(names.MEASURED_HIGH)
         band = f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else ""
         parts = [f"measured {me:.3f}{band}" if me is not None else "measured -",
                  f"teacher-forced {tf:.3f}" if tf is not None else "teacher-forced -"]
@@ -89,7 +77,7 @@ def evaluations_of(client, model_id: str | None) -> list[Evaluation]:
                                        (Evaluation(m.dataset_name or "", m.dataset_digest), {}))
         if m.timestamp >= stamps.get(m.key, -1):
             ev.metrics[m.key], stamps[m.key] = m.value, m.timestamp
-            if m.key == MEASURED:
+            if m.key == names.MEASURED_ACCEPTANCE_LENGTH:
                 ev.run_id = getattr(m, "run_id", None)
     return [ev for ev, _ in by_set.values()]
 
@@ -112,7 +100,7 @@ def on_digest(evaluations: list[Evaluation], digest: str) -> Evaluation | None:
 def _parent_evaluations(client, mv) -> tuple[list[Evaluation] | None, str]:
     """The parent's evaluations (``None`` for a random init) and the ``--target`` that evaluates it: none where
     the parent's version or the finetune run is not there (a refusal or any other failure is said)."""
-    source = mv.tags.get("parent.source", "none")
+    source = mv.tags.get(names.PARENT_SOURCE, "none")
     if source in ("", "none"):
         return None, ""
     if source.startswith("models:/"):
@@ -121,8 +109,8 @@ def _parent_evaluations(client, mv) -> tuple[list[Evaluation] | None, str]:
         except RegistryError:
             return [], source
         return evaluations_of(client, model_id_of(parent)), source
-    target = mv.tags.get("init") or source
-    sha = mv.tags.get("parent.sha256", "")
+    target = mv.tags.get(names.INIT) or source
+    sha = mv.tags.get(names.PARENT_SHA256, "")
     if not mv.run_id:
         return [], target
     try:

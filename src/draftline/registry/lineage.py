@@ -10,7 +10,7 @@ import warnings
 from importlib import metadata
 from pathlib import Path
 
-from draftline import environment
+from draftline import environment, names
 from draftline.config import project_root
 
 LINEAGE_FILE = "lineage.json"
@@ -18,16 +18,6 @@ METADATA_FILE = "training_metadata.json"
 # What a verifier built by draftline (`draftline make-verifier`) was built from: package, version, GGUF sha256
 VERIFIER_IDENTITY_FILE = "draftline_verifier.json"
 
-# Model-version tags copied from the finetune run's params.
-VERSION_TAG_PARAMS = (
-    "init", "parent.name", "parent.source", "parent.revision", "parent.sha256", "parent.layout",
-    "parent.key_remap", "parent.aux_convention", "vocab.policy", "vocab.draft_size", "verifier.name_or_path", "verifier.aux_layers",
-    "verifier.revision", "verifier.trust_remote_code", "verifier.model_type", "data.digest", "train.pairing",
-    "drafter.layer", "drafter.eagle", "drafter.fc_norm", "drafter.norm_output",
-    "eval.data.digest",
-)
-HEADLINE_METRICS = ("val/acceptance_length", "parent.val/acceptance_length", "train/acceptance_length",
-                    "train/full_acc_0", "train/loss")
 
 
 def versions() -> dict[str, str]:
@@ -91,7 +81,7 @@ def _built_revision(path: str) -> str | None:
 def vllm_tags() -> dict[str, str]:
     """The flags ``$DRAFTLINE_VLLM_ARGS`` gave every vLLM this run started, where it was set."""
     args = environment.VLLM_ARGS.get()
-    return {"draftline.vllm.args": args} if args else {}
+    return {names.VLLM_ARGS: args} if args else {}
 
 
 def environment_tags() -> dict[str, str]:
@@ -106,35 +96,35 @@ def environment_tags() -> dict[str, str]:
 def verifier_params(manifest: dict) -> dict[str, object]:
     """The ``verifier.*`` params of every stage's run, from a prepared set's manifest: the id serving hosts load
     the verifier by, where it lay on the host that prepared the data, its revision, the aux layers captured."""
-    return {"verifier.name_or_path": manifest.get("verifier_id") or manifest["verifier"],
-            "verifier.path": manifest["verifier"],
-            "verifier.revision": manifest.get("verifier_revision") or "none",
-            "verifier.aux_layers": manifest["aux_layer_ids"],
-            "verifier.trust_remote_code": bool(manifest.get("verifier_trust_remote_code", False)),
-            "verifier.model_type": manifest.get("verifier_model_type") or "unknown",
-            "verifier.architecture": manifest.get("verifier_architecture") or "unknown"}
+    return {names.VERIFIER_NAME_OR_PATH: manifest.get("verifier_id") or manifest["verifier"],
+            names.VERIFIER_PATH: manifest["verifier"],
+            names.VERIFIER_REVISION: manifest.get("verifier_revision") or "none",
+            names.VERIFIER_AUX_LAYERS: manifest["aux_layer_ids"],
+            names.VERIFIER_TRUST_REMOTE_CODE: bool(manifest.get("verifier_trust_remote_code", False)),
+            names.VERIFIER_MODEL_TYPE: manifest.get("verifier_model_type") or "unknown",
+            names.VERIFIER_ARCHITECTURE: manifest.get("verifier_architecture") or "unknown"}
 
 
 def parent_params(parent, *, sha256: str, layout: str, key_remap: str) -> dict[str, str]:
     return {
         "init": parent.init,
-        "parent.name": parent.name,
-        "parent.source": parent.source,
-        "parent.revision": parent.revision,
-        "parent.sha256": sha256,
-        "parent.layout": layout,
-        "parent.key_remap": key_remap,
+        names.PARENT_NAME: parent.name,
+        names.PARENT_SOURCE: parent.source,
+        names.PARENT_REVISION: parent.revision,
+        names.PARENT_SHA256: sha256,
+        names.PARENT_LAYOUT: layout,
+        names.PARENT_KEY_REMAP: key_remap,
     }
 
 
 def parent_tags(parent, data_run_id: str | None) -> dict[str, str]:
-    tags = {}
+    tags: dict[str, str] = {}
     if parent.model_version:
-        tags["draftline.parent.model_version"] = parent.model_version
+        tags[names.PARENT_MODEL_VERSION] = parent.model_version
     if parent.run_id:
-        tags["draftline.parent.run_id"] = parent.run_id
+        tags[names.PARENT_RUN] = parent.run_id
     if data_run_id:
-        tags["draftline.data.run_id"] = data_run_id
+        tags[names.DATA_RUN] = data_run_id
     return tags
 
 
@@ -199,7 +189,7 @@ def parent_model_id(client, parent, *, sha256: str, layout: str, experiment_id: 
     model = mlflow.create_external_model(
         name=logged_model_name(parent.name), experiment_id=experiment_id, model_type="eagle3-drafter",
         params={"source": parent.source, "revision": parent.revision, "layout": layout, "sha256": sha256},
-        tags={"draftline.kind": "parent", "draftline.parent.sha256": sha256, "parent.source": parent.source})
+        tags={names.KIND: "parent", names.PARENT_SHA256_TAG: sha256, names.PARENT_SOURCE: parent.source})
     return model.model_id
 
 

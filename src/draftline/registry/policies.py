@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from draftline import names
 from draftline.registry.confidence import paired_difference
-from draftline.registry.evidence import HEADLINE, LOSSLESS, MEASURED, PROMPTS, SPEED, Evidence, on_digest, on_set
+from draftline.registry.evidence import Evidence, on_digest, on_set
 from draftline.registry.policy_file import (
     POLICIES_ENV,
     Comparison,
@@ -48,8 +49,8 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None, evidence: Evidenc
             f"{tag}={got or '(not recorded)'}, needs {want.value}" + (f": {want.why}" if want.why else "")
         out.append(RuleResult(f"{tag} is {want.value}", got == want.value, detail))
     if policy.export_validated:
-        ok = mv.tags.get("export.validated") == "true"
-        out.append(RuleResult("export validated", ok, f"export.validated={mv.tags.get('export.validated')}"))
+        ok = mv.tags.get(names.EXPORT_VALIDATED) == "true"
+        out.append(RuleResult("export validated", ok, f"export.validated={mv.tags.get(names.EXPORT_VALIDATED)}"))
     ev = None
     if policy.evaluation is not None:
         ev, result = _evaluated(policy.evaluation, evidence or Evidence())
@@ -67,17 +68,17 @@ def evaluate(policy: Policy, mv, *, current=None, parent=None, evidence: Evidenc
         if other is None:
             out.append(RuleResult(f"not worse than {label}", True, f"no {label} version: nothing to compare"))
             continue
-        if other.tags.get("train.pairing") != mv.tags.get("train.pairing"):
+        if other.tags.get(names.TRAIN_PAIRING) != mv.tags.get(names.TRAIN_PAIRING):
             out.append(RuleResult(f"not worse than {label}", True,
                                   f"v{other.version} was trained in another pairing "
-                                  f"({other.tags.get('train.pairing') or 'unshifted'}): its metrics are not comparable"))
+                                  f"({other.tags.get(names.TRAIN_PAIRING) or 'unshifted'}): its metrics are not comparable"))
             continue
         v, w = _metric(mv, cmp_.metric), _metric(other, cmp_.metric)
         ok = v is not None and (w is None or v >= w - cmp_.margin)
         out.append(RuleResult(f"{cmp_.metric} not worse than {label} (v{other.version}) - {cmp_.margin}", ok,
                               f"{v} vs {w}"))
     if policy.same_verifier_as_current and current is not None:
-        a, b = mv.tags.get("verifier.name_or_path"), current.tags.get("verifier.name_or_path")
+        a, b = mv.tags.get(names.VERIFIER_NAME_OR_PATH), current.tags.get(names.VERIFIER_NAME_OR_PATH)
         out.append(RuleResult("same verifier as current Production", a == b, f"{a} vs {b}"))
     return out
 
@@ -105,14 +106,14 @@ def _evaluated(rule: EvaluationRule, evidence: Evidence):
         return None, [RuleResult(f"evaluated on {rule.data}", False,
                                  f"no evaluation on {rule.data}: {evidence.version_hint}")]
     out = [RuleResult(f"evaluated on {rule.data}", True, f"{ev.name} {ev.digest[:12]}: {ev.summary()}")]
-    if rule.min_prompts is not None and MEASURED in ev.metrics:  # teacher-forced only: no prompts decoded
-        n = ev.metrics.get(PROMPTS)
+    if rule.min_prompts is not None and names.MEASURED_ACCEPTANCE_LENGTH in ev.metrics:  # teacher-forced only: no prompts decoded
+        n = ev.metrics.get(names.MEASURED_PROMPTS)
         ok = n is not None and n >= rule.min_prompts
         out.append(RuleResult(f"measured on >= {rule.min_prompts} prompts", ok,
                               f"{int(n)} prompts" if n is not None else "the evaluation does not say how many "
                               f"prompts it measured: {evidence.version_hint}"))
-    if rule.require_lossless and LOSSLESS in ev.metrics:
-        ok = ev.metrics[LOSSLESS] == 1.0
+    if rule.require_lossless and names.LOSSLESS in ev.metrics:
+        ok = ev.metrics[names.LOSSLESS] == 1.0
         out.append(RuleResult("speculative decoding lossless", ok, "output identical to the verifier's greedy "
                               "output" if ok else "the measured run changed the verifier's output: a bug; do not "
                               "serve it, report it"))
@@ -139,14 +140,14 @@ def _compare_evaluations(policy: Policy, cmp_: Comparison, label: str, ev, evide
                if elsewhere else f"the {label} has no evaluation on {ev.name} ({ev.digest[:12]})")
         return RuleResult(rule, False, f"{why}: {hint}")
     prefer = policy.evaluation.prefer_measured
-    if cmp_.metric == HEADLINE:  # like with like: measured only when both were measured
+    if cmp_.metric == names.EVAL_ACCEPTANCE_LENGTH:  # like with like: measured only when both were measured
         prefer = prefer and ev.headline_kind() == "measured" and theirs.headline_kind() == "measured"
     v, w = ev.value(cmp_.metric, prefer_measured=prefer), theirs.value(cmp_.metric, prefer_measured=prefer)
     if v is None or w is None:
         return RuleResult(rule, False, f"{cmp_.metric} missing ({v} vs {w})")
-    kind = ("measured" if prefer else "teacher-forced") if cmp_.metric == HEADLINE else cmp_.metric
+    kind = ("measured" if prefer else "teacher-forced") if cmp_.metric == names.EVAL_ACCEPTANCE_LENGTH else cmp_.metric
     detail = f"{kind} {v:.4f} vs {label} {w:.4f} ({v - w:+.4f}); version {ev.summary()}; {label} {theirs.summary()}"
-    if cmp_.confidence is not None and cmp_.metric == HEADLINE and prefer:
+    if cmp_.confidence is not None and cmp_.metric == names.EVAL_ACCEPTANCE_LENGTH and prefer:
         return _compare_paired(cmp_, cmp_.confidence, label, rule, ev, theirs, hint,
                                f"{kind} {v:.4f} vs {label} {w:.4f} ({v - w:+.4f})")
     if cmp_.confidence is not None:  # teacher-forced on one side at least: no per-prompt decoding to pair
@@ -180,7 +181,7 @@ def _speed_rule(rule: SpeedRule, ev) -> RuleResult:
     name = f"speed-up at concurrency {rule.concurrency} >= {rule.value}"
     if ev is None:
         return RuleResult(name, False, "no evaluation on the policy's set")
-    p = f"{SPEED}/c{rule.concurrency}"
+    p = f"{names.SPEED}/c{rule.concurrency}"
     value, low, high = (ev.metrics.get(f"{p}/{k}") for k in ("speedup", "speedup_low", "speedup_high"))
     if value is None or low is None:
         return RuleResult(name, False, f"the evaluation measured no speed at concurrency {rule.concurrency}: "

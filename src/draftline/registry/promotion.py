@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
+from draftline import names
 from draftline.console import say
 from draftline.errors import DraftlineError, RegistryError
 from draftline.mlflow_errors import absent, denied, mlflow_error, raise_failure, unavailable
@@ -52,7 +53,7 @@ def _guarded(what: str, name: str, fn):
 
 
 def _parent_version(client, mv):
-    source = mv.tags.get("parent.source", "")
+    source = mv.tags.get(names.PARENT_SOURCE, "")
     if not source.startswith("models:/"):
         return None
     try:

@@ -22,6 +22,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 from mlflow.utils.validation import MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
 
+from draftline import names
 from draftline.errors import RegistryError, VerificationError
 from draftline.kinds import layer_kind
 from draftline.mlflow_errors import (
@@ -81,11 +82,11 @@ def model_id_of(mv) -> str | None:
 
 
 def describe(lineage: dict) -> str:
-    parent = lineage.get("parent.source", "none")
-    origin = "random init" if parent in ("none", None) else f"parent {parent} (sha256 {lineage.get('parent.sha256', '?')[:12]})"
-    return (f"EAGLE-3 drafter for {lineage.get('verifier.name_or_path')}, finetuned from {origin} on data "
-            f"{lineage.get('data.digest', '?')[:12]} (vocab {lineage.get('vocab.policy')}); finetune run "
-            f"{lineage.get('finetune.run_id')}.")
+    parent = lineage.get(names.PARENT_SOURCE, "none")
+    origin = "random init" if parent in ("none", None) else f"parent {parent} (sha256 {lineage.get(names.PARENT_SHA256, '?')[:12]})"
+    return (f"EAGLE-3 drafter for {lineage.get(names.VERIFIER_NAME_OR_PATH)}, finetuned from {origin} on data "
+            f"{lineage.get(names.DATA_DIGEST, '?')[:12]} (vocab {lineage.get(names.VOCAB_POLICY)}); finetune run "
+            f"{lineage.get(names.FINETUNE_RUN_ID)}.")
 
 
 def check_may_register(client, name: str) -> None:
@@ -180,7 +181,7 @@ def exported_k(config: dict, tags: dict) -> int:
     printed command and the short form agree."""
     methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
     k = methods[0].get("speculative_tokens")
-    return int(k if k else tags.get("eval.recommended_num_speculative_tokens") or tags.get("ttt_steps", 3))
+    return int(k if k else tags.get(names.EVAL_RECOMMENDED_K) or tags.get(names.TTT_STEPS, 3))
 
 
 def pull(client, name: str, *, stage: str | None, alias: str | None, version: str | None, dest: Path,
@@ -206,25 +207,25 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     # the version is resolved once: every file below comes from that one version, whatever moves meanwhile; a
     # stage its alias disagrees with is refused (nothing is downloaded), not guessed
     _, mv = retrying(f"resolve {uri}", lambda: resolve_version(client, uri, refuse_split=True))
-    want = mv.tags.get("verifier.name_or_path")
+    want = mv.tags.get(names.VERIFIER_NAME_OR_PATH)
     if verifier and verifier != want:  # before anything is downloaded: DEST stays as it was
         raise VerificationError(f"models:/{name}/{mv.version} was trained for verifier {want}, not {verifier}; "
                                 "nothing was downloaded")
     local = Path(dest)
-    if if_changed and holds(local, mv.tags.get("export.sha256")):  # what DEST holds is what the stage names
+    if if_changed and holds(local, mv.tags.get(names.EXPORT_SHA256)):  # what DEST holds is what the stage names
         return {"version": mv.version, "path": str(local.absolute()), "unchanged": True}
     source = retrying(f"locate the files of models:/{name}/{mv.version}", lambda: _files_of(client, name, mv))
     stats = fetch_directory(source, local,
                             cache=None if use_cache is False else BlobCache(fill=use_cache),
-                            expected_digest=mv.tags.get("export.sha256"),
+                            expected_digest=mv.tags.get(names.EXPORT_SHA256),
                             manifest=_tagged_manifest(mv.tags.get(CHECKSUMS_TAG)), check=check)
     config = json.loads((local / "config.json").read_text())
     # speculators' format names its verifier; an MLA drafter's flat config names none: the version's lineage does
     served = (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or want
     steps = exported_k(config, mv.tags)
     cmd, spec = vllm_command(local.absolute(), verifier or served, steps,
-                             trust_remote_code=mv.tags.get("verifier.trust_remote_code") == "True",
-                             dtype=layer_kind(mv.tags.get("drafter.layer")).served_dtype)
+                             trust_remote_code=mv.tags.get(names.VERIFIER_TRUST_REMOTE_CODE) == "True",
+                             dtype=layer_kind(mv.tags.get(names.DRAFTER_LAYER)).served_dtype)
     return {"version": mv.version, "path": str(local.absolute()), "command": cmd, "speculative_config": spec,
             "verifier": served, "downloaded_bytes": stats["downloaded_bytes"], "cached_bytes": stats["cached_bytes"]}
 
@@ -239,7 +240,7 @@ def holds(directory: Path, digest: str | None) -> bool:
     return bool(digest) and isinstance(manifest, dict) and manifest_digest(manifest) == digest
 
 
-CHECKSUMS_TAG = "export.checksums"  # the export's checksums.json, as a version tag: a pull needs no listing
+CHECKSUMS_TAG = names.EXPORT_CHECKSUMS  # the export's checksums.json, as a version tag: a pull needs no listing
 
 
 def _files_of(client, name: str, mv) -> str:

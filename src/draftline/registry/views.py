@@ -5,16 +5,14 @@ from __future__ import annotations
 
 from mlflow.exceptions import MlflowException
 
+from draftline import names
 from draftline.console import say
 from draftline.errors import RegistryError
 from draftline.mlflow_errors import absent, mlflow_error, raise_failure, registry_uri, unknown_model_hint
-from draftline.registry.evidence import HIGH_LOW, MEASURED, PROMPTS, evaluations_of, on_set
-from draftline.registry.lineage import HEADLINE_METRICS, VERSION_TAG_PARAMS
+from draftline.registry.evidence import evaluations_of, on_set
 from draftline.registry.policies import policy_set
 from draftline.registry.stages import LOCK_SUFFIX, stage_splits
 from draftline.registry.versions import model_id_of, resolve_version
-
-HEADLINE = HEADLINE_METRICS[0]  # val/acceptance_length
 
 
 def _aliases_of(model) -> dict[str, list[str]]:
@@ -47,12 +45,12 @@ def measured_on_policy_set(client, mv) -> str | None:
         ev = on_set(evaluations_of(client, model_id_of(mv)), wanted)
     except RegistryError:
         return None
-    if ev is None or MEASURED not in ev.metrics:
+    if ev is None or names.MEASURED_ACCEPTANCE_LENGTH not in ev.metrics:
         return None
-    lo, hi = (ev.metrics.get(k) for k in HIGH_LOW)
+    lo, hi = (ev.metrics.get(k) for k in (names.MEASURED_LOW, names.MEASURED_HIGH))
     band = f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else ""
-    n = ev.metrics.get(PROMPTS)
-    return f"{ev.metrics[MEASURED]:.2f}{band}" + (f" on {int(n)}" if n else "")
+    n = ev.metrics.get(names.MEASURED_PROMPTS)
+    return f"{ev.metrics[names.MEASURED_ACCEPTANCE_LENGTH]:.2f}{band}" + (f" on {int(n)}" if n else "")
 
 
 def list_versions(client, name: str) -> list[dict]:
@@ -72,8 +70,8 @@ def list_versions(client, name: str) -> list[dict]:
     for v in sorted(versions, key=lambda v: int(v.version)):
         tags = v.tags
         rows.append({"version": str(v.version), "stage": v.current_stage, "aliases": aliases.get(str(v.version), []),
-                     "metrics": {k: float(tags[f"metric.{k}"]) for k in HEADLINE_METRICS if f"metric.{k}" in tags},
-                     "parent": tags.get("parent.source"), "pairing": tags.get("train.pairing"),
+                     "metrics": {k: float(tags[f"metric.{k}"]) for k in names.HEADLINE_METRICS if f"metric.{k}" in tags},
+                     "parent": tags.get(names.PARENT_SOURCE), "pairing": tags.get(names.TRAIN_PAIRING),
                      "model_id": model_id_of(v), "created": v.creation_timestamp,
                      "measured": measured_on_policy_set(client, v)})
     return rows
@@ -92,9 +90,9 @@ def render_models(rows: list[dict]) -> str:
 def render_versions(name: str, rows: list[dict]) -> str:
     if not rows:
         return f"{name} has no versions"
-    lines = [f"{'version':>7}  {'stage':<10} {'aliases':<22} {HEADLINE:>22}  {'measured [95% interval]':<26} parent"]
+    lines = [f"{'version':>7}  {'stage':<10} {'aliases':<22} {names.VAL_ACCEPTANCE_LENGTH:>22}  {'measured [95% interval]':<26} parent"]
     for r in rows:
-        metric = r["metrics"].get(HEADLINE)
+        metric = r["metrics"].get(names.VAL_ACCEPTANCE_LENGTH)
         lines.append(f"{r['version']:>7}  {r['stage']:<10} {', '.join('@' + a for a in r['aliases']) or '-':<22} "
                      f"{'-' if metric is None else f'{metric:.4f}':>22}  {r.get('measured') or '-':<26} "
                      f"{r['parent'] or '-'}")
@@ -110,7 +108,7 @@ def compare(client, name: str, versions: list[str]) -> dict:
         columns.append(f"v{mv.version}")
         mvs.append(mv)
     for mv in list(mvs):
-        source = mv.tags.get("parent.source", "")
+        source = mv.tags.get(names.PARENT_SOURCE, "")
         if source.startswith("models:/"):
             with_name, parent = resolve_version(client, source)
             label = f"parent v{parent.version}" if with_name == name else f"parent {with_name}/v{parent.version}"
@@ -118,7 +116,7 @@ def compare(client, name: str, versions: list[str]) -> dict:
                 if label not in columns:
                     columns.append(label)
                     mvs.append(parent)
-    keys = [*VERSION_TAG_PARAMS, "finetune.run_id", "export.sha256", *(f"metric.{k}" for k in HEADLINE_METRICS)]
+    keys = [*names.VERSION_TAG_PARAMS, names.FINETUNE_RUN_ID, names.EXPORT_SHA256, *(f"metric.{k}" for k in names.HEADLINE_METRICS)]
     rows = {k.removeprefix("metric."): [mv.tags.get(k) for mv in mvs] for k in keys}
     rows["eval/measured (policy set)"] = [measured_on_policy_set(client, mv) for mv in mvs]
     rows["stage"] = [mv.current_stage for mv in mvs]

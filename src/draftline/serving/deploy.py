@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftline import environment
+from draftline import environment, names
 from draftline.errors import ConfigError, DraftlineError, VerificationError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -99,7 +99,7 @@ def argv(prefix: list[str], v: Version, passthrough: list[str]) -> list[str]:
 def check_verifier(given: str, identity: str | None, tags: dict, version: str, say: Callable[[str], None]) -> None:
     """Refuse a version trained for another verifier than the host's (``given``, known as ``identity`` where its
     files or name say which model it is); where nothing says, serve it and say so."""
-    trained = tags.get("verifier.name_or_path")
+    trained = tags.get(names.VERIFIER_NAME_OR_PATH)
     if not trained or identity == trained or given == trained:
         return
     if identity is None:

@@ -17,7 +17,7 @@ import mlflow
 import torch
 from safetensors.torch import save_file
 
-from draftline import tracking
+from draftline import names, tracking
 from draftline.config import FinetuneConfig, work_dir
 from draftline.console import say
 from draftline.data.refs import dataset_name, resolve_data
@@ -32,6 +32,7 @@ from draftline.drafter.shape import key_remap, layer_config, layer_kind, verifie
 from draftline.drafter.vocab import build_vocab, plan_remap
 from draftline.errors import CheckpointError, DataError
 from draftline.registry import lineage
+from draftline.results import FinetuneResult, NodeResult
 from draftline.serving import hf_model
 from draftline.tracking import log_params_once, tracking_uri
 from draftline.train import job, precision, preflight
@@ -84,10 +85,10 @@ def optimizer_params(conf: dict) -> dict[str, object]:
     opt = conf.get("optimizer") or {}
     p = opt.get("params") or {}
     sched = (conf.get("scheduler") or {}).get("params") or {}
-    return {"optimizer.name": opt.get("type", "none"), "optimizer.lr": p.get("lr"),
+    return {"optimizer.name": opt.get("type", "none"), names.OPTIMIZER_LR: p.get("lr"),
             "optimizer.betas": tuple(p["betas"]) if "betas" in p else None, "optimizer.eps": p.get("eps"),
             "optimizer.weight_decay": p.get("weight_decay"),
-            "optimizer.warmup_steps": sched.get("warmup_num_steps"),
+            names.OPTIMIZER_WARMUP_STEPS: sched.get("warmup_num_steps"),
             "optimizer.schedule": (conf.get("scheduler") or {}).get("type", "none"),
             "optimizer.grad_clip": conf.get("gradient_clipping")}
 
@@ -160,11 +161,11 @@ def check_resumable(run_id: str) -> None:
     except Exception:  # noqa: BLE001
         raise DataError(f"--resume {run_id}: no such run on {tracking_uri()}; pass the run_id finetune "
                         "printed") from None
-    if run.data.tags.get("draftline.step") != "finetune":
-        raise DataError(f"--resume {run_id} is a {run.data.tags.get('draftline.step') or 'non-draftline'} run, "
+    if run.data.tags.get(names.STEP) != "finetune":
+        raise DataError(f"--resume {run_id} is a {run.data.tags.get(names.STEP) or 'non-draftline'} run, "
                         "not a finetune run")
     existing = run.data.params
-    if existing and "train.pairing" not in existing:
+    if existing and names.TRAIN_PAIRING not in existing:
         raise DataError(f"run {run_id} was trained before draftline paired hidden states with tokens as vLLM "
                         f"serves them ({PAIRING}); its checkpoint cannot be resumed: start a new finetune")
 
@@ -172,11 +173,11 @@ def check_resumable(run_id: str) -> None:
 def resumed_precision(run_id: str) -> precision.Choice:
     """The precision a run's checkpoints were written in, and why (its ``train.precision*`` params)."""
     params = tracking.client().get_run(run_id).data.params
-    return precision.Choice(params.get("train.precision", "auto"),
-                            params.get("train.precision_choice", "the resumed run's own precision"))
+    return precision.Choice(params.get(names.TRAIN_PRECISION, "auto"),
+                            params.get(names.TRAIN_PRECISION_CHOICE, "the resumed run's own precision"))
 
 
-def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]:
+def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> FinetuneResult | NodeResult:
     """The finetune stage as one MLflow run; ``resume_run`` continues a run from its last checkpoint."""
     check_visible(cfg)
     place = job_place(cfg)
@@ -192,7 +193,7 @@ def run(cfg: FinetuneConfig, *, resume_run: str | None = None) -> dict[str, str]
 
 
 def _lead(cfg: FinetuneConfig, resume_run: str | None, *, place: Place, ranks: int, on_cpu: bool,
-          leader: job.Leader | None) -> dict[str, str]:
+          leader: job.Leader | None) -> FinetuneResult:
     """Node 0 (or the only node): gather the job, resolve, open the run, launch, log."""
     telling = leader.telling() if leader else contextlib.nullcontext()
     with telling:
@@ -233,8 +234,8 @@ def _lead(cfg: FinetuneConfig, resume_run: str | None, *, place: Place, ranks: i
                node=leader.node if leader else None)
 
         selected = _log_results(inputs, params, run_id=run_id, work=work, ckpt_dir=ckpt_dir)
-    return {"run_id": run_id, "weights_uri": f"runs:/{run_id}/{handoff.WEIGHTS}",
-            "checkpoint": f"{selected['selected']} (step {selected['step']})"}
+    return FinetuneResult(run_id=run_id, weights_uri=f"runs:/{run_id}/{handoff.WEIGHTS}",
+                          checkpoint=f"{selected['selected']} (step {selected['step']})")
 
 
 @dataclass(frozen=True)
@@ -344,28 +345,28 @@ def _run_params(inputs: _Inputs, *, sha: str, ranks: int) -> dict:
     manifest = inputs.data.manifest
     return {
         **lineage.parent_params(parent, sha256=sha, layout=inputs.layout, key_remap=inputs.remap),
-        "parent.aux_convention": inputs.aux_convention,
-        "vocab.policy": cfg.vocab if not parent.is_random else "rebuild",
-        "vocab.draft_size": counts["draft_size"],
-        "vocab.kept": counts["kept"], "vocab.added": counts["added"], "vocab.dropped": counts["dropped"],
+        names.PARENT_AUX_CONVENTION: inputs.aux_convention,
+        names.VOCAB_POLICY: cfg.vocab if not parent.is_random else "rebuild",
+        names.VOCAB_DRAFT_SIZE: counts["draft_size"],
+        names.VOCAB_KEPT: counts["kept"], names.VOCAB_ADDED: counts["added"], names.VOCAB_DROPPED: counts["dropped"],
         **lineage.verifier_params(manifest),
-        "data.digest": manifest["digest"],
-        "data.uri": cfg.data,
-        "zero.stage": cfg.zero_stage,
+        names.DATA_DIGEST: manifest["digest"],
+        names.DATA_URI: cfg.data,
+        names.ZERO_STAGE: cfg.zero_stage,
         "world_size": inputs.world_size,
         "ttt_steps": cfg.ttt_steps,
         **optimizer_params(inputs.conf),
-        "train.steps": cfg.steps, "train.epochs": cfg.epochs if cfg.epochs else "none",
-        "train.tokens_per_batch": cfg.tokens_per_batch,
-        "train.micro_batch_tokens": micro_batch_tokens(cfg),
-        "train.precision": cfg.precision, "train.precision_choice": inputs.chosen.reason,
-        "train.lr_schedule": cfg.lr_schedule,
-        "train.ttt_loss_decay": cfg.ttt_loss_decay, "train.hidden_noise": cfg.hidden_noise,
-        "train.seed": cfg.seed, "train.attn_impl": cfg.attn_impl, "drafter.layer": layer_kind(inputs.layer),
-        **{f"drafter.{k}": v for k, v in eagle.fields().items()}, "drafter.eagle": eagle.name,
-        "train.val_fraction": cfg.val_fraction if eval_data is None else 0.0,
-        "train.pairing": PAIRING,
-        "eval.data.digest": eval_data.manifest["digest"] if eval_data is not None else "none",
+        names.TRAIN_STEPS: cfg.steps, names.TRAIN_EPOCHS: cfg.epochs if cfg.epochs else "none",
+        names.TRAIN_TOKENS_PER_BATCH: cfg.tokens_per_batch,
+        names.TRAIN_MICRO_BATCH_TOKENS: micro_batch_tokens(cfg),
+        names.TRAIN_PRECISION: cfg.precision, names.TRAIN_PRECISION_CHOICE: inputs.chosen.reason,
+        names.TRAIN_LR_SCHEDULE: cfg.lr_schedule,
+        names.TRAIN_TTT_LOSS_DECAY: cfg.ttt_loss_decay, names.TRAIN_HIDDEN_NOISE: cfg.hidden_noise,
+        names.TRAIN_SEED: cfg.seed, names.TRAIN_ATTN_IMPL: cfg.attn_impl, names.DRAFTER_LAYER: layer_kind(inputs.layer),
+        **{f"drafter.{k}": v for k, v in eagle.fields().items()}, names.DRAFTER_EAGLE: eagle.name,
+        names.TRAIN_VAL_FRACTION: cfg.val_fraction if eval_data is None else 0.0,
+        names.TRAIN_PAIRING: PAIRING,
+        names.EVAL_DATA_DIGEST: eval_data.manifest["digest"] if eval_data is not None else "none",
     }
 
 
@@ -378,9 +379,9 @@ def _record_lineage(inputs: _Inputs, params: dict, *, sha: str, ranks: int, run_
     mlflow.set_tags({**lineage.parent_tags(parent, inputs.data_run_id), **lineage.environment_tags(),
                      "mlflow.runName": f"finetune from {origin}",
                      "mlflow.note.content": (
-                         f"EAGLE-3 drafter for {params['verifier.name_or_path']}, from {origin}"
+                         f"EAGLE-3 drafter for {params[names.VERIFIER_NAME_OR_PATH]}, from {origin}"
                          + ("" if parent.is_random else f" (sha256 {sha[:12]}, {inputs.layout} layout)")
-                         + f", on data {manifest['digest'][:12]} (vocabulary {params['vocab.policy']}); "
+                         + f", on data {manifest['digest'][:12]} (vocabulary {params[names.VOCAB_POLICY]}); "
                          f"ZeRO-{cfg.zero_stage} on {inputs.world_size} rank(s), {cfg.steps} steps, pairing "
                          f"{PAIRING}.")})
     if not resumed:  # the data set and the parent model as the run's inputs (the UI links them)

@@ -18,6 +18,7 @@ from draftline.config import FinetuneConfig, work_dir
 from draftline.console import say
 from draftline.data.inputs import read_manifest
 from draftline.errors import DataError, DraftlineError, Interrupted
+from draftline.results import NodeResult
 from draftline.train.launcher import Node, launch
 from draftline.train.nodes import Place
 from draftline.train.rendezvous import Rendezvous
@@ -101,7 +102,7 @@ def unreadable(spec: WorkerSpec, go: dict) -> str | None:
     return None
 
 
-def follow(cfg: FinetuneConfig, place: Place, *, resume_run: str | None, ranks: int, on_cpu: bool) -> dict:
+def follow(cfg: FinetuneConfig, place: Place, *, resume_run: str | None, ranks: int, on_cpu: bool) -> NodeResult:
     """A node other than 0: join node 0's run, check its files, train this node's ranks, log nothing."""
     rdv = Rendezvous(place, cfg.rendezvous_timeout)
     try:
@@ -121,4 +122,4 @@ def follow(cfg: FinetuneConfig, place: Place, *, resume_run: str | None, ranks: 
     finally:
         rdv.close()
     say(f"node {place.node_rank}: its ranks finished; node 0 logs run {spec.run_id}")
-    return {"run_id": spec.run_id, "node_rank": str(place.node_rank)}
+    return NodeResult(run_id=spec.run_id, node_rank=str(place.node_rank))

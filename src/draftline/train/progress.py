@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from draftline import environment
+from draftline import environment, names
 from draftline.console import PREFIX
 
 
@@ -42,9 +42,9 @@ class Progress:
     def update(self, record: dict) -> None:
         """One line of ``metrics.jsonl``: ``{"step", "timestamp", "metrics": {...}}``."""
         metrics, step = record.get("metrics", {}), int(record.get("step", 0))
-        if "val/acceptance_length" in metrics:
-            self.val = metrics["val/acceptance_length"]
-        if "train/loss" not in metrics:
+        if names.VAL_ACCEPTANCE_LENGTH in metrics:
+            self.val = metrics[names.VAL_ACCEPTANCE_LENGTH]
+        if names.TRAIN_LOSS not in metrics:
             return
         now = self.clock()
         if self.first is None:
@@ -62,14 +62,14 @@ class Progress:
             self.lines += 1
 
     def render(self, step: int, m: dict, now: float) -> str:
-        parts = [f"step {step}/{self.total}", f"loss {m.get('train/loss', float('nan')):.3f}"]
-        if "train/full_acc_0" in m:
-            parts.append(f"full_acc_0 {m['train/full_acc_0']:.3f}")
-        if "train/acceptance_length" in m:
-            parts.append(f"acceptance {m['train/acceptance_length']:.2f}"
+        parts = [f"step {step}/{self.total}", f"loss {m.get(names.TRAIN_LOSS, float('nan')):.3f}"]
+        if names.TRAIN_FULL_ACC_0 in m:
+            parts.append(f"full_acc_0 {m[names.TRAIN_FULL_ACC_0]:.3f}")
+        if names.TRAIN_ACCEPTANCE_LENGTH in m:
+            parts.append(f"acceptance {m[names.TRAIN_ACCEPTANCE_LENGTH]:.2f}"
                          + (f" (val {self.val:.2f})" if self.val is not None else ""))
-        if "train/tokens_per_s" in m:
-            parts.append(f"{m['train/tokens_per_s']:,.0f} tok/s")
+        if names.TRAIN_TOKENS_PER_S in m:
+            parts.append(f"{m[names.TRAIN_TOKENS_PER_S]:,.0f} tok/s")
         first_step, t0 = self.first or (step, now)
         if step >= self.total:
             parts.append(f"done in {_clock(now - t0)}" if step > first_step else "done")

@@ -26,7 +26,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from safetensors.torch import load_file
 
-from draftline import tracking
+from draftline import names, tracking
 from draftline.console import say
 from draftline.data.shards import open_prepared
 from draftline.data.verify import ShardVerifier
@@ -331,7 +331,7 @@ def _log_train_window(run: _Run, metrics: dict, window_tokens: int, tick: float,
         summary = summarise(sums, run.spec.config.ttt_steps)
         out = {f"train/{k}": v for k, v in summary.items() if not k.startswith("tokens")}
         out["train/lr"] = run.engine.get_lr()[0]
-        out["train/tokens_per_s"] = sums["tokens"] / max(elapsed, 1e-9)
+        out[names.TRAIN_TOKENS_PER_S] = sums["tokens"] / max(elapsed, 1e-9)
         _log_metrics(run.client, run.run_id, out, step)
 
 
@@ -342,7 +342,7 @@ def _validate_and_keep_best(run: _Run, best: dict | None, step: int) -> dict | N
     if run.client and run.run_id:
         _log_metrics(run.client, run.run_id, {f"val/{k}": v for k, v in val.items()}, step)
     if best is None or val["acceptance_length"] > best["value"]:  # kept beside the newest
-        best = {"step": step, "metric": "val/acceptance_length", "value": val["acceptance_length"]}
+        best = {"step": step, "metric": names.VAL_ACCEPTANCE_LENGTH, "value": val["acceptance_length"]}
         run.engine.save_checkpoint(str(run.ckpt_dir), tag=BEST_TAG, client_state={"step": step, "best": best},
                                    save_latest=False)
         if run.here.rank == 0:

@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from draftline import names
 from draftline.cli import cli
 
 
@@ -301,10 +302,10 @@ def test_a_run_trained_before_the_pairing_fix_is_not_resumed_and_stays_as_it_was
     from mlflow import MlflowClient
 
     with mlflow.start_run() as old:  # a finetune run from before draftline trained in vLLM's pairing
-        mlflow.set_tag("draftline.step", "finetune")
-        mlflow.log_param("train.steps", "40")
+        mlflow.set_tag(names.STEP, "finetune")
+        mlflow.log_param(names.TRAIN_STEPS, "40")
     r = run("finetune", "--data", str(prepared), "--init", "tiny", "--resume", old.info.run_id)
     assert r.exit_code == 1 and "was trained before draftline paired hidden states" in r.output, r.output
     assert "start a new finetune" in r.output
     after = MlflowClient().get_run(old.info.run_id)
-    assert after.info.status == "FINISHED" and after.data.params == {"train.steps": "40"}
+    assert after.info.status == "FINISHED" and after.data.params == {names.TRAIN_STEPS: "40"}

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from draftline import names
+
 from ...conftest import DEMO
 
 HEAVY = ("torch", "transformers", "speculators", "deepspeed", "mlflow", "datasets", "pyarrow", "vllm")
@@ -125,7 +127,7 @@ def test_a_run_the_store_does_not_hold_or_that_did_not_finish_is_refused_before_
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    failed = client.create_run(client.create_experiment("e"), tags={"draftline.step": "prepare"}).info.run_id
+    failed = client.create_run(client.create_experiment("e"), tags={names.STEP: "prepare"}).info.run_id
     client.set_terminated(failed, "FAILED")
     for args, says in ((["finetune", "--data", f"runs:/{'0' * 32}/data"], "does not exist in sqlite"),
                        (["finetune", "--data", f"runs:/{failed}/data"], "(prepare) is FAILED, not FINISHED"),

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from draftline import names
 from draftline.cli import cli
 
 
@@ -114,7 +115,7 @@ def test_inspect_reads_headers_only_for_a_version_and_a_finetune_run(store, tiny
     drafter = _exported(tiny, tmp_path)
     size = (drafter / "model.safetensors").stat().st_size
     assert size > 4 << 20
-    with mlflow.start_run(tags={"draftline.step": "finetune"}) as run:
+    with mlflow.start_run(tags={names.STEP: "finetune"}) as run:
         mlflow.log_artifacts(str(drafter), "drafter")
         mlflow.log_artifact(str(drafter / "model.safetensors"), "weights")
     client = MlflowClient()

@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 from click.testing import CliRunner
 
+from draftline import names
 from draftline.cli import _settings, cli
 from draftline.cli.mlproject import STAGES, default_of, render
 from draftline.config import FinetuneConfig, PrepareConfig
@@ -56,7 +57,7 @@ def test_logged_optimizer_params_are_those_of_the_deepspeed_config_that_runs(tmp
     params = optimizer_params(conf)
     assert conf["optimizer"]["params"]["betas"] == [0.8, 0.99]  # what the engine is built from
     assert str(params["optimizer.betas"]) == "(0.8, 0.99)" and params["optimizer.eps"] == 1e-6
-    assert params["optimizer.lr"] == 3e-4 and params["optimizer.warmup_steps"] == 7
+    assert params[names.OPTIMIZER_LR] == 3e-4 and params[names.OPTIMIZER_WARMUP_STEPS] == 7
     assert params["optimizer.grad_clip"] == 1.0
     default = optimizer_params(ds_config(FinetuneConfig(data="-")))
     assert str(default["optimizer.betas"]) == "(0.9, 0.95)"  # configs/zero2.json, EAGLE's reference

@@ -11,6 +11,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from draftline import names
 from draftline.config import PrepareConfig
 from draftline.data import replies
 from draftline.data.conversations import load_conversations
@@ -69,9 +70,9 @@ def test_prepare_counts_the_replies_cut_at_the_limit_and_can_leave_them_out(tiny
     cut = sum(m["finish_reason"] == "length" for m in answered)
     assert 0 < cut < 6  # the random verifier stops early on some prompts
     reg = kept["regenerated"]
-    assert reg["data/replies"] == 6 and reg["data/truncated_replies"] == cut and reg["data/truncated_share"] == cut / 6
-    assert reg["data/reply_tokens_max"] == 6 and reg["max_tokens"] == 6 and reg["keep_truncated"] is True
-    assert reg["data/reasoning_share"] == 1.0 and reg["served_samples"] == 6 and reg["turns_per_sample"] == 1.0
+    assert reg[names.DATA_REPLIES] == 6 and reg[names.DATA_TRUNCATED_REPLIES] == cut and reg[names.DATA_TRUNCATED_SHARE] == cut / 6
+    assert reg[names.DATA_REPLY_TOKENS_MAX] == 6 and reg["max_tokens"] == 6 and reg["keep_truncated"] is True
+    assert reg[names.DATA_REASONING_SHARE] == 1.0 and reg["served_samples"] == 6 and reg["turns_per_sample"] == 1.0
     assert (tmp_path / "kept" / replies.HISTOGRAM).stat().st_size > 1000  # the lengths, drawn
     assert kept["masked_tokens"] == sum(len(m["token_ids"]) for m in answered)
     assert dropped["samples"] == 6 - cut and dropped["regenerated"]["keep_truncated"] is False

@@ -12,6 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from draftline import names
 from draftline.cli import cli
 from draftline.drafter.aux_ids import aux_ids_by_runner, fc_aux_count, require_served_ids, served_ids_problem
 from draftline.drafter.model import build_draft_model
@@ -50,10 +51,10 @@ def exports(tmp_path_factory) -> dict:
         verifier = str(root / f"{kind}-verifier")
         model = build_draft_model(verifier, d2t=torch.zeros(DRAFT, dtype=torch.long), t2d=t2d, aux_layer_ids=AUX,
                                   draft_vocab_size=DRAFT, dtype=torch.float32, layer=layer_config(verifier, None, kind))
-        write_drafter(model, root / kind, {"verifier.name_or_path": "org/verifier"}, {})
+        write_drafter(model, root / kind, {names.VERIFIER_NAME_OR_PATH: "org/verifier"}, {})
         out[kind] = root / kind
         if kind == "llama":
-            write_midlayer(model, root / "midlayer", {"verifier.aux_layers": json.dumps(AUX)})
+            write_midlayer(model, root / "midlayer", {names.VERIFIER_AUX_LAYERS: json.dumps(AUX)})
             out["midlayer"] = root / "midlayer"
     return out
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftline import names
 from draftline.drafter.loading import load_drafter
 from draftline.evaluation.chain import ChainResult, measure_chain, recommend_num_speculative_tokens
 from draftline.evaluation.proposer import Eagle3Proposer
@@ -239,7 +240,7 @@ def test_evaluate_says_when_vllm_serves_other_than_the_drafters_own_forward_pred
     to it, or on replies that are not the verifier's greedy output, it stays quiet."""
     from draftline.config import EvaluateConfig
     from draftline.evaluation.stage import _predicted
-    from draftline.registry.evidence import PREDICTED
+
 
     model, _ = verifier
     drafter, held_out = trained
@@ -248,7 +249,7 @@ def test_evaluate_says_when_vllm_serves_other_than_the_drafters_own_forward_pred
     greedy_manifest = {"regenerated": {"temperature": 0.0}}
     right = measure_chain(model, drafter, held_out[:4], k=3, max_new_tokens=12).acceptance_length
     got = _predicted(cfg, drafter, recs, greedy_manifest, right, progress=False)
-    assert got[PREDICTED] == pytest.approx(right) and "warning" not in capsys.readouterr().err
+    assert got[names.PREDICTED] == pytest.approx(right) and "warning" not in capsys.readouterr().err
     _predicted(cfg, drafter, recs, greedy_manifest, right + 0.5, progress=False)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"served acceptance {right + 0.5:.3f}" in err and f"predicts {right:.3f}" in err
@@ -264,7 +265,7 @@ def test_a_stored_reply_that_is_not_what_was_served_is_left_out_of_the_predictio
     token and is compared with the measurement on those prompts."""
     from draftline.config import EvaluateConfig
     from draftline.evaluation.stage import _predicted
-    from draftline.registry.evidence import PREDICTED
+
 
     model, _ = verifier
     drafter, held_out = trained
@@ -285,12 +286,12 @@ def test_a_stored_reply_that_is_not_what_was_served_is_left_out_of_the_predictio
                      outputs=result.outputs, per_prompt=result.per_prompt)
     rows = [result.per_prompt[j] for j in (1, 3)]
     on_them = 1 + sum(r["accepted"] for r in rows) / sum(r["drafts"] for r in rows)
-    assert got["eval/predicted/prompts"] == 2 and got[PREDICTED] == pytest.approx(on_them)
-    assert got["eval/predicted/difference"] == pytest.approx(0.0, abs=1e-9)
+    assert got[names.PREDICTED_PROMPTS] == 2 and got[names.PREDICTED] == pytest.approx(on_them)
+    assert got[names.PREDICTED_DIFFERENCE] == pytest.approx(0.0, abs=1e-9)
     assert "warning" not in capsys.readouterr().err
     without = _predicted(cfg, drafter, bad, greedy_manifest, result.acceptance_length, progress=False,
                          outputs=result.outputs, per_prompt=[])  # no per-prompt counts: nothing to compare with
-    assert "eval/predicted/difference" not in without and "warning" not in capsys.readouterr().err
+    assert names.PREDICTED_DIFFERENCE not in without and "warning" not in capsys.readouterr().err
 
 
 def test_the_bf16_lossless_check_tolerates_a_difference_only_within_each_others_top_choices():

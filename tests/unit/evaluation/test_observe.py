@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
+from draftline import names
 from draftline.cli import cli
 from draftline.drafter.aux_ids import served_aux_fields
 from draftline.evaluation.observe import window
@@ -31,7 +32,7 @@ def _pulled(tmp_path, client, measured, folder="pulled"):
     mlflow.set_experiment("observe")
     unique = hashlib.sha256(str(tmp_path / folder).encode()).hexdigest()  # one version per test on a shared server
     files = {"config.json": unique, "model.safetensors": "b" * 64}
-    mv = _version(client, "kimi-drafter", 1.5, measured=measured, **{"export.sha256": manifest_digest(files)})
+    mv = _version(client, "kimi-drafter", 1.5, measured=measured, **{names.EXPORT_SHA256: manifest_digest(files)})
     pulled = tmp_path / folder
     pulled.mkdir()
     (pulled / "checksums.json").write_text(json.dumps(files))
@@ -62,7 +63,7 @@ def test_a_window_is_recorded_on_the_version_it_serves(server, tmp_path, store):
     served = {m.key: m.value for m in model.metrics if m.key.startswith("served/")}
     assert served["served/acceptance_length"] == pytest.approx(2.6) and served["served/drafts"] == 100
     assert served["served/generated_tokens"] == 100 + 160  # a token per step and the accepted ones, this model's
-    assert model.tags["served.verdict"] == "as evaluated"
+    assert model.tags[names.SERVED_VERDICT] == "as evaluated"
     params = client.get_run(out["run_id"]).data.params
     assert params["endpoints"] == endpoint
 
@@ -74,7 +75,7 @@ def test_below_the_evaluation_exits_1_for_an_alert(server, tmp_path, store):
     _traffic(counters, 100, [30, 10, 0])  # 1.4 served against 2.5 evaluated
     r = CliRunner().invoke(cli, ["observe", "--endpoint", endpoint, "--drafter", str(pulled), "--window", "1"])
     assert r.exit_code == 1 and "BELOW" in r.output
-    assert client.get_logged_model(model_id_of(mv)).tags["served.verdict"] == "below evaluation"
+    assert client.get_logged_model(model_id_of(mv)).tags[names.SERVED_VERDICT] == "below evaluation"
 
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)  # the windows' logic is the command's, not the store's
@@ -99,7 +100,7 @@ def test_as_a_sidecar_each_window_is_recorded_and_a_quiet_one_is_said_and_skippe
     below = client.get_metric_history(out["run_id"], "served/below_evaluation")
     assert [m.value for m in sorted(below, key=lambda m: m.step)] == [0.0, 1.0]
     model = client.get_logged_model(model_id_of(mv))
-    assert model.tags["served.verdict"] == "below evaluation" and model.tags["served.observe_run_id"] == out["run_id"]
+    assert model.tags[names.SERVED_VERDICT] == "below evaluation" and model.tags[names.SERVED_OBSERVE_RUN] == out["run_id"]
     observed = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                   "tags.`draftline.observe.version` != ''")
     assert len(observed) == before + 1  # one run for every window
@@ -136,7 +137,7 @@ def test_as_a_sidecar_it_follows_the_version_serve_switches_to(server, tmp_path,
         assert served["served/acceptance_length"] == pytest.approx(value), (mv.version, served)
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
                               "tags.`draftline.observe.model` = 'kimi'")
-    assert sorted(run.data.tags["draftline.observe.version"] for run in runs) == [
+    assert sorted(run.data.tags[names.OBSERVE_VERSION] for run in runs) == [
         f"models:/kimi-drafter/{old.version}", f"models:/kimi-drafter/{new.version}"]
 
 
@@ -162,7 +163,7 @@ def test_bad_input_is_one_line_and_records_nothing(problem, server, tmp_path, st
              "nested-only ids": "config.json: vLLM's runners read different aux layers"}[problem]
     assert words in r.output, r.output
     assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == runs_before
-    assert "served.verdict" not in client.get_logged_model(model_id_of(mv)).tags
+    assert names.SERVED_VERDICT not in client.get_logged_model(model_id_of(mv)).tags
 
 
 def test_a_restarted_server_counts_from_its_restart_and_servers_are_summed():

@@ -7,11 +7,12 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
+from draftline import names
 from draftline.cli import cli
 from draftline.config import EvaluateConfig
 from draftline.evaluation.speed import Side, Speed, fastest_k, sweep_metrics, sweep_text
 from draftline.registry.confidence import Interval, throughput_ratio
-from draftline.registry.evidence import MEASURED, Evaluation, Evidence
+from draftline.registry.evidence import Evaluation, Evidence
 from draftline.registry.policies import Policy, evaluate
 from draftline.serving.engine import wait_idle
 
@@ -73,7 +74,7 @@ def test_evaluate_refuses_speed_settings_it_cannot_use_at_once(args, named, tmp_
 def _judge(metrics: dict, rule: dict):
     policy = Policy(stage="Production", export_validated=False, evaluation={"data": "evaluation"},
                     min_speedup=rule)
-    ev = Evaluation("evaluation", "d" * 36, {MEASURED: 2.0, **metrics})
+    ev = Evaluation("evaluation", "d" * 36, {names.MEASURED_ACCEPTANCE_LENGTH: 2.0, **metrics})
     mv = SimpleNamespace(tags={}, version="3")
     return [r for r in evaluate(policy, mv, evidence=Evidence(version=[ev])) if r.rule.startswith("speed-up")][0]
 
@@ -97,7 +98,7 @@ def test_one_wave_is_said_to_give_no_interval():
 
     tokens = [64]
     assert throughput_ratio(tokens, [1.0], tokens, [2.0]).text() == "2.00 (n=1: no interval)"
-    m = {"eval/measured/acceptance_length": 1.5, "eval/measured/prompts": 8.0, "eval/speed/c8/speedup": 0.84,
+    m = {names.MEASURED_ACCEPTANCE_LENGTH: 1.5, names.MEASURED_PROMPTS: 8.0, "eval/speed/c8/speedup": 0.84,
          "eval/speed/c8/speedup_low": 0.84, "eval/speed/c8/speedup_high": 0.84, "eval/speed/c8/waves": 1.0,
          "eval/speed/c8/drafted_tokens_per_s": 52.3, "eval/speed/c8/plain_tokens_per_s": 62.0}
     card = model_card({}, {}, [{"data": {"name": "evaluation", "digest": "ab" * 32}, "metrics": m}])
@@ -108,12 +109,12 @@ def test_the_model_card_says_what_the_drafter_buys():
     from draftline.export.directory import model_card
 
     evaluated = [{"data": {"name": "evaluation", "digest": "ab" * 32}, "metrics": {
-        "eval/measured/acceptance_length": 1.5, "eval/measured/acceptance_length_low": 1.4,
-        "eval/measured/acceptance_length_high": 1.6, "eval/measured/prompts": 12.0,
+        names.MEASURED_ACCEPTANCE_LENGTH: 1.5, names.MEASURED_LOW: 1.4,
+        names.MEASURED_HIGH: 1.6, names.MEASURED_PROMPTS: 12.0,
         "eval/speed/c1/speedup": 0.53, "eval/speed/c1/speedup_low": 0.39, "eval/speed/c1/speedup_high": 0.71,
         "eval/speed/c1/drafted_tokens_per_s": 23.5, "eval/speed/c1/plain_tokens_per_s": 44.7}},
         {"data": {"name": "teacher-forced only", "digest": "cd" * 32}, "metrics": {"eval/teacher_forced/x": 1.0}}]
-    card = model_card({"verifier.name_or_path": "v"}, {}, evaluated)
+    card = model_card({names.VERIFIER_NAME_OR_PATH: "v"}, {}, evaluated)
     assert ("| evaluation (`abababababab`) | 12 | 1.500 [1.400, 1.600] | x0.53 [0.39, 0.71] at concurrency 1 "
             "(23.5 vs 44.7 tokens/s) |") in card
     assert "teacher-forced only" not in card and "## Measured by vLLM" not in model_card({}, {}, [])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks.common import AUX, SHAPES
+from draftline import names
 from draftline.drafter.form import EagleForm, with_form
 from draftline.drafter.shape import layer_config, verifier_config
 from draftline.errors import CheckpointError
@@ -74,7 +75,7 @@ def round_trip(shape: str, tmp_path) -> None:
     model = _drafter(verifier, s)
     built = time.perf_counter()
     out = tmp_path / "midlayer"
-    write_midlayer(model, out, {"verifier.aux_layers": json.dumps(AUX)})
+    write_midlayer(model, out, {names.VERIFIER_AUX_LAYERS: json.dumps(AUX)})
     written = time.perf_counter()
     report = check_reload(model, out, verifier)
     checked = time.perf_counter()
@@ -104,7 +105,7 @@ def test_an_eagle_31_drafter_round_trips_with_its_norms_and_says_its_form(tmp_pa
     verifier = _verifier(tmp_path / "verifier", s)
     model = _drafter(verifier, s, EagleForm(fc_norm=True, norm_output=True))
     out = tmp_path / "midlayer"
-    write_midlayer(model, out, {"verifier.aux_layers": json.dumps(AUX)})
+    write_midlayer(model, out, {names.VERIFIER_AUX_LAYERS: json.dumps(AUX)})
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["fc_norm"], cfg["norm_output"], cfg["norm_before_residual"]) == (True, True, False)
     assert check_reload(model, out, verifier)["tensors"] == 15 + len(AUX)  # and one norm per aux layer

@@ -8,8 +8,9 @@ import random
 
 import pytest
 
+from draftline import names
 from draftline.registry.confidence import acceptance_interval, paired_difference, prompt_key
-from draftline.registry.evidence import MEASURED, Evaluation, Evidence
+from draftline.registry.evidence import Evaluation, Evidence
 from draftline.registry.policies import Comparison, EvaluationRule, Policy, _compare_evaluations
 
 PROMPTS = 32
@@ -35,12 +36,12 @@ def drafter(seed: int, *, skill: float = 0.0, order_seed: int | None = None) -> 
 
 def evaluation(rows: list[dict]) -> Evaluation:
     al = 1 + sum(r["accepted"] for r in rows) / sum(r["drafts"] for r in rows)
-    return Evaluation("evaluation", "d" * 36, {MEASURED: al}, run_id="r", per_prompt=rows)
+    return Evaluation("evaluation", "d" * 36, {names.MEASURED_ACCEPTANCE_LENGTH: al}, run_id="r", per_prompt=rows)
 
 
 def gate(child: list[dict], parent: list[dict], confidence: float | None, seed: int = 0) -> bool:
     policy = Policy(stage="Production", evaluation=EvaluationRule(data="evaluation"))
-    cmp_ = Comparison(metric="eval/acceptance_length", margin=0.0, confidence=confidence)
+    cmp_ = Comparison(metric=names.EVAL_ACCEPTANCE_LENGTH, margin=0.0, confidence=confidence)
     ev, theirs = evaluation(child), evaluation(parent)
     if confidence is not None:
         from draftline.registry import confidence as conf
@@ -87,7 +88,7 @@ def test_the_paired_interval_is_narrower_than_either_drafters_own():
 
 def test_the_paired_rule_says_which_evaluation_lacks_per_prompt_evidence():
     policy = Policy(stage="Production", evaluation=EvaluationRule(data="evaluation"))
-    cmp_ = Comparison(metric="eval/acceptance_length", margin=0.0, confidence=0.95)
+    cmp_ = Comparison(metric=names.EVAL_ACCEPTANCE_LENGTH, margin=0.0, confidence=0.95)
     ev, old = evaluation(drafter(1, skill=0.2)), evaluation(drafter(2))
     old.per_prompt = None
     r = _compare_evaluations(policy, cmp_, "parent", ev, Evidence(version=[ev], parent=[old], parent_hint="run X"),

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
+from draftline import names
 from draftline.cli import cli
 from draftline.registry.stages import LOCK_SUFFIX
 
@@ -77,7 +78,7 @@ def test_stage_and_alias_agree_through_demote_noop_and_rollback(client):
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 def test_rollback_keeps_the_integrity_rules(client):
     name = "integrity"
-    _version(client, name, 1.5, **{"train.pairing": ""})  # trained before the pairing fix
+    _version(client, name, 1.5, **{names.TRAIN_PAIRING: ""})  # trained before the pairing fix
     _version(client, name, 1.5)
     client.set_registered_model_alias(name, "production", "1")  # from an older registry
     client.transition_model_version_stage(name, "1", "Production")
@@ -181,7 +182,7 @@ def test_a_promotion_that_lands_between_a_pulls_two_reads_is_not_a_split(client,
 def test_list_and_compare(client):
     name = "listed"
     _version(client, name, 1.5)
-    _version(client, name, 1.8, **{"parent.source": f"models:/{name}/1", "data.digest": "ee" * 32})
+    _version(client, name, 1.8, **{names.PARENT_SOURCE: f"models:/{name}/1", names.DATA_DIGEST: "ee" * 32})
     assert run("promote", name, "2", "--to", "Production").exit_code == 0
     models = json.loads(run("list", "--json").stdout)
     assert {"name": name, "versions": 2, "latest": 2, "aliases": {"production": "2"}} in models
@@ -190,7 +191,7 @@ def test_list_and_compare(client):
     assert "@production" in text and "1.8000" in text and f"models:/{name}/1" in text
     table = json.loads(run("compare", name, "2", "--json").stdout)
     assert table["columns"] == ["v2", "parent v1"]  # the parent comes along
-    assert table["rows"]["val/acceptance_length"] == ["1.8", "1.5"]
+    assert table["rows"][names.VAL_ACCEPTANCE_LENGTH] == ["1.8", "1.5"]
     assert table["rows"]["stage"] == ["Production", "None"]
     text = run("compare", name, "1", "2").stdout
     assert "data.digest*" in text and "init " in text

@@ -6,12 +6,13 @@ import mlflow
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
+from draftline import names
 from draftline.cli import cli
 
-TAGS = {"init": "tiny", "parent.source": "draftline/tiny-parent", "parent.sha256": "ab" * 32,
-        "parent.layout": "midlayer", "vocab.policy": "parent", "verifier.name_or_path": "/v",
-        "verifier.aux_layers": "[2, 4, 5]", "data.digest": "cd" * 32, "finetune.run_id": "r1",
-        "export.sha256": "ef" * 32, "export.validated": "true", "train.pairing": "vllm-shifted"}
+TAGS = {"init": "tiny", names.PARENT_SOURCE: "draftline/tiny-parent", names.PARENT_SHA256: "ab" * 32,
+        names.PARENT_LAYOUT: "midlayer", names.VOCAB_POLICY: "parent", names.VERIFIER_NAME_OR_PATH: "/v",
+        names.VERIFIER_AUX_LAYERS: "[2, 4, 5]", names.DATA_DIGEST: "cd" * 32, names.FINETUNE_RUN_ID: "r1",
+        names.EXPORT_SHA256: "ef" * 32, names.EXPORT_VALIDATED: "true", names.TRAIN_PAIRING: "vllm-shifted"}
 
 
 EVAL_DIGEST = "ee" * 18  # the digest MLflow keeps for a data set (36 hex digits)
@@ -25,10 +26,10 @@ def evaluation_set(name="evaluation", digest=EVAL_DIGEST):
 
 def evaluate_model(model_id, teacher_forced, measured=None, lossless=1.0, dataset=None):
     """What `draftline evaluate` attaches to a drafter's LoggedModel (numbers chosen by the test)."""
-    metrics = {"eval/teacher_forced/acceptance_length": teacher_forced}
+    metrics = {names.TEACHER_FORCED_ACCEPTANCE_LENGTH: teacher_forced}
     if measured is not None:
-        metrics.update({"eval/measured/acceptance_length": measured, "eval/measured/lossless": lossless,
-                        "eval/measured/prompts": 16.0})
+        metrics.update({names.MEASURED_ACCEPTANCE_LENGTH: measured, names.LOSSLESS: lossless,
+                        names.MEASURED_PROMPTS: 16.0})
     with mlflow.start_run():
         mlflow.log_metrics(metrics, step=0, model_id=model_id, dataset=dataset or evaluation_set())
         if measured is not None:  # per-prompt evidence: 16 prompts alike, 100 drafts each
@@ -42,7 +43,7 @@ def evaluate_model(model_id, teacher_forced, measured=None, lossless=1.0, datase
 def evaluated_parent(teacher_forced=1.0, measured=None, sha="ab" * 32):
     """The external parent (as finetune records AQ-MedAI), evaluated on the evaluation set."""
     parent = mlflow.create_external_model(name="tiny-parent", model_type="eagle3-drafter",
-                                          tags={"draftline.kind": "parent", "draftline.parent.sha256": sha})
+                                          tags={names.KIND: "parent", names.PARENT_SHA256_TAG: sha})
     evaluate_model(parent.model_id, teacher_forced, measured)
     return parent.model_id
 
@@ -93,7 +94,7 @@ def test_promotion_gates(store):
     assert "nothing changed" in r.output
     assert str(client.get_latest_versions("d", stages=["Production"])[0].version) == "1"
 
-    _version(client, "d", 1.6, **{"data.digest": ""})
+    _version(client, "d", 1.6, **{names.DATA_DIGEST: ""})
     r = promote("d", "3", "--to", "Production")
     assert r.exit_code == 1 and "missing: data.digest" in r.output
 
@@ -110,7 +111,7 @@ def test_a_version_trained_before_the_pairing_fix_is_refused_and_not_compared_wi
     """Versions registered before draftline trained in vLLM's pairing carry no train.pairing tag: promotion
     refuses them with the reason, and their (inflated, unshifted) metrics never block a retrained version."""
     client = MlflowClient()
-    _version(client, "old", 1.9, **{"train.pairing": ""})
+    _version(client, "old", 1.9, **{names.TRAIN_PAIRING: ""})
     for stage in ("Staging", "Production"):
         r = promote("old", "1", "--to", stage)
         assert r.exit_code == 1 and "nothing changed" in r.output
@@ -167,7 +168,7 @@ def test_production_compares_with_the_parent_on_the_same_evaluation_set(workspac
 def test_numbers_from_different_evaluation_sets_are_never_compared(workspace):
     client = MlflowClient()
     mlflow.set_experiment("other-sets")
-    parent = mlflow.create_external_model(name="p", tags={"draftline.parent.sha256": "ab" * 32})
+    parent = mlflow.create_external_model(name="p", tags={names.PARENT_SHA256_TAG: "ab" * 32})
     evaluate_model(parent.model_id, 1.1, dataset=evaluation_set(digest="12" * 18))  # same name, other data
     _version(client, "x", 1.5, parent=None)
     r = promote("x", "1", "--to", "Production")

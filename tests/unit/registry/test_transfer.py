@@ -8,6 +8,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from draftline import names
 from draftline.errors import VerificationError
 from draftline.export.upload import CHECKSUMS, sha256_manifest
 from draftline.registry.blobcache import BlobCache
@@ -235,7 +236,7 @@ def test_a_pull_by_stage_asks_the_server_for_little_and_an_older_version_still_p
     manifest = sha256_manifest_of(files)
     client, name = MlflowClient(), f"few-{tagged}"
     client.create_registered_model(name)
-    tags = {"export.sha256": manifest_digest(manifest), **(versions.checksums_tag(manifest) if tagged else {})}
+    tags = {names.EXPORT_SHA256: manifest_digest(manifest), **(versions.checksums_tag(manifest) if tagged else {})}
     source = _publish(tmp_path, files)
     run_id = mlflow.last_active_run().info.run_id  # the run _publish logged the files in
     mv = client.create_model_version(name, source, run_id=run_id, tags=tags)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from draftline import names
 from draftline.config import ExportConfig
 from draftline.errors import DataError
 from draftline.export.directory import serving_id
@@ -29,10 +30,10 @@ def test_the_id_comes_from_the_flag_the_hf_cache_the_name_given_or_the_config(tm
 
 
 def test_export_refuses_to_write_a_training_host_path_as_the_verifier():
-    params = {"verifier.name_or_path": "/data/models/kimi", "verifier.path": "/data/models/kimi"}
+    params = {names.VERIFIER_NAME_OR_PATH: "/data/models/kimi", names.VERIFIER_PATH: "/data/models/kimi"}
     with pytest.raises(DataError, match="pass --verifier-id ORG/NAME"):
         serving_id(ExportConfig(run="r"), params)
     assert serving_id(ExportConfig(run="r", verifier_id="moonshotai/Kimi-K2-Instruct"), params) == \
         "moonshotai/Kimi-K2-Instruct"
-    assert serving_id(ExportConfig(run="r"), {**params, "verifier.name_or_path": "moonshotai/Kimi-K2-Instruct"}) == \
+    assert serving_id(ExportConfig(run="r"), {**params, names.VERIFIER_NAME_OR_PATH: "moonshotai/Kimi-K2-Instruct"}) == \
         "moonshotai/Kimi-K2-Instruct"

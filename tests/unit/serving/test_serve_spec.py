@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from draftline import names
 from draftline.errors import ConfigError, UsageError
 from draftline.registry.lineage import environment_tags
 from draftline.serving import hf_model
@@ -56,7 +57,7 @@ def test_vllm_args_reach_every_server_and_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTLINE_VLLM_ARGS", "--tensor-parallel-size 8 --gpu-memory-utilization 0.92")
     argv = ServeSpec(model=str(verifier(tmp_path, {"model_type": "llama"}))).argv(Path("python"), 1)
     assert argv[-4:] == ["--tensor-parallel-size", "8", "--gpu-memory-utilization", "0.92"]
-    assert environment_tags()["draftline.vllm.args"] == "--tensor-parallel-size 8 --gpu-memory-utilization 0.92"
+    assert environment_tags()[names.VLLM_ARGS] == "--tensor-parallel-size 8 --gpu-memory-utilization 0.92"
     monkeypatch.setenv("DRAFTLINE_VLLM_ARGS", "--bad 'quote")
     with pytest.raises(ConfigError, match="DRAFTLINE_VLLM_ARGS is not a valid shell-quoted list"):
         ServeSpec(model=str(verifier(tmp_path, {"model_type": "llama"})))

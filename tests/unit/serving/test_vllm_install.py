@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow import MlflowClient
 
+from draftline import names
 from draftline.cli import cli
 from draftline.kinds import KINDS, MLA
 from draftline.serving import vllm_install
@@ -42,7 +43,7 @@ def test_a_vllm_without_the_mla_drafters_model_is_refused_before_the_pull(worksp
     found = vllm_install.find([str(old), "-m", "vllm.entrypoints.openai.api_server"])
     assert found.version == "0.6.3" and not found.serves(MLA.vllm_architecture)
     mlflow.set_experiment("serve")
-    _version(MlflowClient(), "kimi-drafter", 1.5, **{"drafter.layer": "mla"})
+    _version(MlflowClient(), "kimi-drafter", 1.5, **{names.DRAFTER_LAYER: "mla"})
     dest = tmp_path / "drafters"
     r = CliRunner().invoke(cli, ["serve", "kimi-drafter", "--version", "1", "--dest", str(dest), "--vllm",
                                  f"{old} -m vllm.entrypoints.openai.api_server"])

@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 from mlflow.entities import Metric
 
+from draftline import names
 from draftline.cli import cli
 from draftline.data.shards import open_prepared
 from draftline.data.verify import ShardVerifier
@@ -37,15 +38,15 @@ def test_the_relay_delivers_what_rank_0_wrote_once_and_resumes_where_it_stopped(
     path = workspace / "metrics.jsonl"
     sink = MetricsFile(path)
     for step in (1, 2):
-        sink.log_batch(run.info.run_id, metrics=[Metric("train/loss", 1.0 / step, 0, step)])
+        sink.log_batch(run.info.run_id, metrics=[Metric(names.TRAIN_LOSS, 1.0 / step, 0, step)])
     relay = Relay(path, run.info.run_id)
     assert relay.deliver_once() and relay.delivered == 2
-    sink.log_batch(run.info.run_id, metrics=[Metric("train/loss", 0.25, 0, 3)])
+    sink.log_batch(run.info.run_id, metrics=[Metric(names.TRAIN_LOSS, 0.25, 0, 3)])
     with open(path, "a") as f:
         f.write('{"step": 4, "timest')  # a line rank 0 is still writing waits for its end
     again = Relay(path, run.info.run_id)  # a later process (a resume) continues from the mark
     assert again.close(wait_s=0) and again.delivered == 1
-    steps = [m.step for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, "train/loss")]
+    steps = [m.step for m in mlflow.MlflowClient().get_metric_history(run.info.run_id, names.TRAIN_LOSS)]
     assert sorted(steps) == [1, 2, 3]
 
 
@@ -91,11 +92,11 @@ def test_the_progress_line_off_a_terminal_is_a_plain_line_at_the_start_every_n_s
     now = [0.0]
     shown = io.StringIO()
     p = Progress(40, shown, tty=False, every_s=10, clock=lambda: now[0])
-    p.update(_record(0, **{"val/acceptance_length": 1.05}))
+    p.update(_record(0, **{names.VAL_ACCEPTANCE_LENGTH: 1.05}))
     for step in range(1, 41):
         now[0] = step * 1.0
-        p.update(_record(step, **{"train/loss": 5.0, "train/full_acc_0": 0.25, "train/acceptance_length": 1.3,
-                                  "train/tokens_per_s": 800.0}))
+        p.update(_record(step, **{names.TRAIN_LOSS: 5.0, names.TRAIN_FULL_ACC_0: 0.25, names.TRAIN_ACCEPTANCE_LENGTH: 1.3,
+                                  names.TRAIN_TOKENS_PER_S: 800.0}))
     p.close()
     lines = shown.getvalue().splitlines()
     assert [ln.split()[2] for ln in lines] == ["1/40", "11/40", "21/40", "31/40", "40/40"]
@@ -109,9 +110,9 @@ def test_the_progress_line_on_a_terminal_is_redrawn_in_place_with_other_output_a
 
     shown = io.StringIO()
     p = Progress(2, shown, tty=True)
-    p.update(_record(1, **{"train/loss": 5.0}))
+    p.update(_record(1, **{names.TRAIN_LOSS: 5.0}))
     p.write("[draftline] something happened\n")
-    p.update(_record(2, **{"train/loss": 4.0}))
+    p.update(_record(2, **{names.TRAIN_LOSS: 4.0}))
     p.close()
     text = shown.getvalue()
     assert text.count("\r\x1b[K") == 3 and text.endswith("step 2/2  loss 4.000  done in 0:00\n")
