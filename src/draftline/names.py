@@ -110,6 +110,8 @@ TRAIN_HIDDEN_NOISE = _param("train.hidden_noise", "finetune", "noise added to th
 TRAIN_SEED = _param("train.seed", "finetune", "the seed")
 TRAIN_ATTN_IMPL = _param("train.attn_impl", "finetune", "the attention kernel trained with")
 TRAIN_VAL_FRACTION = _param("train.val_fraction", "finetune", "the share of samples held out for validation")
+PLAN_FITS = _param("plan.fits", "finetune", "whether the run fits the GPUs' memory as planned: true, false, unchecked "
+                   "(no GPU) or error; plan.json beside it holds the table")
 TRAIN_PAIRING = _param("train.pairing", "finetune", "how hidden states and target tokens were paired "
                        "(docs/pairing.md); versions of another pairing are not compared")
 OPTIMIZER = _param("optimizer.", "finetune", "the optimiser as DeepSpeed ran it: name, lr, betas, eps, weight_decay, "

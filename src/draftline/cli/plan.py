@@ -13,6 +13,7 @@ from draftline.config import FinetuneConfig
 from draftline.data.storage import DEFAULT_SAMPLES, DEFAULT_TOKENS_PER_SAMPLE
 from draftline.train import phases
 from draftline.train.interconnect import DEFAULT_GPU, DEFAULT_GPU_MEMORY_GIB, DEFAULT_TFLOPS, LINKS
+from draftline.train.plan_types import Plan
 
 # finetune's own settings, as it declares them: the plan is of the run `finetune` with the same flags would launch
 SHARED = ("drafter_layer", "draft_vocab_size", "tokens_per_batch", "ttt_steps", "precision", "attn_impl", "steps",
@@ -117,7 +118,7 @@ def measured_lengths(data: str, samples: int) -> tuple[int, int, int]:
     return samples, per_sample, max(1, reply)
 
 
-def render_plan(plan: dict) -> str:
+def render_plan(plan: Plan) -> str:
     """The plan as a plain-text table."""
     from draftline.train import plan as planning
 
@@ -143,7 +144,8 @@ def render_plan(plan: dict) -> str:
     for stage, s in plan["stages"].items():
         fits = "?" if s["fits"] is None else ("yes" if s["fits"] else "NO")
         mark = "  <- chosen" if plan["zero_stage"] is not None and int(stage) == plan["zero_stage"] else ""
-        cells = [planning.gib(s[k], unit) for k in ("model_states", "frozen", "activations", "total", "headroom")]
+        cells = [planning.gib(n, unit) for n in (s["model_states"], s["frozen"], s["activations"], s["total"],
+                                                  s["headroom"])]
         lines.append(f"  ZeRO-{stage:<7}{cells[0]:>13}{cells[1]:>9}{cells[2]:>13}{cells[3]:>9}{cells[4]:>10}  "
                      f"{fits}{mark}")
     lines += ["", "model states (P trainable params, L largest trainable layer, N GPUs in all):"]
@@ -159,7 +161,7 @@ def render_plan(plan: dict) -> str:
                      + phases.lines(plan["run"]))
 
 
-def _traffic_lines(plan: dict) -> list[str]:
+def _traffic_lines(plan: Plan) -> list[str]:
     t = plan["interconnect"]
     compute = "" if t["compute_s"] is None else (
         f"; compute {t['step_flops'] / 1e12:.1f} TFLOP a step = {t['compute_s'] * 1e3:.0f} ms at "

@@ -148,9 +148,9 @@ def record_plan(cfg: FinetuneConfig, ranks: int, on_cpu: bool, verifier: str, dr
         err = planning.fit_error(plan, cfg.zero_stage)
         if err:
             say(f"plan: WARNING {err}")
-        mlflow.log_dict(plan, "plan.json")
-    if "plan.fits" not in mlflow.get_run(run_id).data.params:  # a resumed run keeps its first plan's verdict
-        log_params_once({"plan.fits": fits}, run_id)
+        mlflow.log_dict(dict(plan), "plan.json")
+    if names.PLAN_FITS not in mlflow.get_run(run_id).data.params:  # a resumed run keeps its first plan's verdict
+        log_params_once({names.PLAN_FITS: fits}, run_id)
 
 
 def check_resumable(run_id: str) -> None:

@@ -38,6 +38,7 @@ from draftline.drafter.model import meta_drafter
 from draftline.drafter.shape import default_config, load_config
 from draftline.errors import ConfigError, DraftlineError
 from draftline.train import interconnect, phases
+from draftline.train.plan_types import Activations, Plan, StageMemory
 
 GIB = 1 << 30
 DEFAULT_GPU_MEMORY_GIB = interconnect.DEFAULT_GPU_MEMORY_GIB
@@ -106,7 +107,7 @@ def _latent_width(tl) -> int:
 
 
 def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precision: str = "bf16",
-                     attn_impl: str = "sdpa") -> dict:
+                     attn_impl: str = "sdpa") -> Activations:
     """An estimate of the activation memory of one forward+backward over ``tokens`` packed tokens: what autograd
     keeps for the backward in speculators' forward with draftline's one-pass KL loss (drafter/loss.py), plus the
     inputs and target logits alive meanwhile. b is 2 (bf16) or 4 (fp32), H hidden, I intermediate, V draft vocabulary, q and kv
@@ -154,10 +155,10 @@ def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precisi
         unequal = (4 + b) * heads if shape.get("layer") == "mla" else 0
         dense = {"simple_flex_attention": 0, "sdpa": 2 + unequal, "eager": (4 + b) * heads}
         quadratic = layers * dense.get(attn_impl, 2) * tokens * tokens * tri
-    return {"bytes": tokens * per_token + quadratic, "bytes_per_token": per_token, "quadratic": quadratic,
-            "attn_impl": attn_impl,
-            "formula": "tokens x (ttt_steps x per_step + kv_cache + once + transient) + masks/scores",
-            "per_step": per_step, "kv_cache": kv_cache, "once": once, "transient": transient}
+    return Activations(bytes=tokens * per_token + quadratic, bytes_per_token=per_token, quadratic=quadratic,
+                       attn_impl=attn_impl,
+                       formula="tokens x (ttt_steps x per_step + kv_cache + once + transient) + masks/scores",
+                       per_step=per_step, kv_cache=kv_cache, once=once, transient=transient)
 
 
 def _fp32_model_states(stage: int, p: int, largest: int, n: int) -> tuple[int, str]:
@@ -167,7 +168,7 @@ def _fp32_model_states(stage: int, p: int, largest: int, n: int) -> tuple[int, s
     return formula[0], f"fp32 (DeepSpeed's estimators assume 16-bit): {formula[1]}"
 
 
-def model_state_bytes(counts: dict, stage: int, gpus: int, nodes: int, precision: str = "bf16") -> dict:
+def model_state_bytes(counts: dict, stage: int, gpus: int, nodes: int, precision: str = "bf16") -> dict[str, Any]:
     """Per-GPU bytes of one stage's model states (trainable) and frozen parameters, and where the number is
     from."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs  # noqa: PLC0415 (deepspeed: slow, and prints an accelerator warning at import)
@@ -210,7 +211,7 @@ def _deepspeed_reports(counts: dict, gpus: int, nodes: int) -> str:
     return out.getvalue()
 
 
-def _max_tokens(room: int, acts: dict, tokens: int) -> int:
+def _max_tokens(room: int, acts: Activations, tokens: int) -> int:
     """The most tokens per batch whose activations fit in ``room`` bytes (a*T + c*T^2 <= room)."""
     a, c = acts["bytes_per_token"], acts["quadratic"] / tokens**2
     if room <= 0:
@@ -226,7 +227,7 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
               samples: int = DEFAULT_SAMPLES, tokens_per_sample: int = DEFAULT_TOKENS_PER_SAMPLE,
               verifier: str | Path | None = None, epochs: float | None = None, steps: int = 200,
               reply_tokens: int | None = None,
-              assumptions: phases.Assumptions = phases.Assumptions()) -> dict:
+              assumptions: phases.Assumptions = phases.Assumptions()) -> Plan:
     """The memory plan (JSON-serialisable) for a drafter: ``config`` is ``None`` (the real Kimi drafter of
     ``layer``: AQ-MedAI's Llama-layer Kimi-K2 one, or lightseek's MLA Kimi-K2.5 one, with ``draft_vocab_size``
     if given), a
@@ -260,14 +261,15 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
     counts = count_params(config)
     acts = activation_bytes(counts["shape"], tokens_per_batch, ttt_steps, precision, attn_impl)
     budget = None if gpu_memory_gib is None else int(gpu_memory_gib * GIB * (1 - margin))
-    stages = {}
+    stages: dict[str, StageMemory] = {}
     for stage in STAGES:
         ms = model_state_bytes(counts, stage, gpus, nodes, precision)
         total = ms["model_states"] + ms["frozen"] + acts["bytes"]
-        st = stages[str(stage)] = {**ms, "activations": acts["bytes"], "total": total,
-                                   "fits": None if budget is None else total <= budget,
-                                   "headroom": None if budget is None else budget - total}
-        if st["fits"] is False:
+        st = stages[str(stage)] = StageMemory(model_states=ms["model_states"], frozen=ms["frozen"],
+                                              source=ms["source"], activations=acts["bytes"], total=total,
+                                              fits=None if budget is None else total <= budget,
+                                              headroom=None if budget is None else budget - total)
+        if st["fits"] is False and budget is not None:
             st["max_tokens_per_batch"] = _max_tokens(budget - ms["model_states"] - ms["frozen"], acts,
                                                      tokens_per_batch)
             st["min_gpus"] = next((n for n in range(gpus * nodes + 1, 4097) if stage > 0 and sum(
@@ -286,24 +288,22 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
                         reply_tokens=reply_tokens or tokens_per_sample, epochs=epochs, steps=steps, gpus=gpus, nodes=nodes,
                         tokens_per_batch=tokens_per_batch, step_s=step_s, bytes_per_token=shards.bytes_per_token,
                         assumptions=assumptions)
-    return {
-        "drafter": name, "params": counts["total"], "trainable": counts["trainable"], "frozen": counts["frozen"],
-        "checkpoint_params": counts["checkpoint"], "checkpoint_params_with_embeddings":
-            counts["checkpoint_with_embeddings"],
-        "frozen_names": counts["frozen_names"], "largest_layer": counts["largest_layer"],
-        "largest_frozen_layer": counts["largest_frozen_layer"], "shape": counts["shape"],
-        "gpus_per_node": gpus, "nodes": nodes, "gpu_memory_gib": gpu_memory_gib, "margin": margin,
-        "budget_bytes": budget, "tokens_per_batch": tokens_per_batch, "ttt_steps": ttt_steps,
-        "precision": precision, "zero_stage": zero_stage, "activations": acts, "stages": stages,
-        "fits": None if zero_stage is None else stages[str(zero_stage)]["fits"],
-        "deepspeed_estimators": _deepspeed_reports(counts, gpus, nodes),
-        "interconnect": moved, "recommended_stage": best, "recommended_because": why,
-        "verifier": None if verifier is None else str(verifier),
-        "run": run,
-        "storage": {**shards.as_dict(), "needed_bytes": shards.needed,
-                    "offered": list(storage.HIDDEN_BYTES),
-                    "bytes_by_storage": {kind: plan.bytes for kind, plan in by_storage.items()}},
-    }
+    return Plan(
+        drafter=name, params=counts["total"], trainable=counts["trainable"], frozen=counts["frozen"],
+        checkpoint_params=counts["checkpoint"], checkpoint_params_with_embeddings=counts["checkpoint_with_embeddings"],
+        frozen_names=counts["frozen_names"], largest_layer=counts["largest_layer"],
+        largest_frozen_layer=counts["largest_frozen_layer"], shape=counts["shape"],
+        gpus_per_node=gpus, nodes=nodes, gpu_memory_gib=gpu_memory_gib, margin=margin,
+        budget_bytes=budget, tokens_per_batch=tokens_per_batch, ttt_steps=ttt_steps,
+        precision=precision, zero_stage=zero_stage, activations=acts, stages=stages,
+        fits=None if zero_stage is None else stages[str(zero_stage)]["fits"],
+        deepspeed_estimators=_deepspeed_reports(counts, gpus, nodes),
+        interconnect=moved, recommended_stage=best, recommended_because=why,
+        verifier=None if verifier is None else str(verifier),
+        run=run,
+        storage={**shards.as_dict(), "needed_bytes": shards.needed, "offered": list(storage.HIDDEN_BYTES),
+                 "bytes_by_storage": {kind: plan.bytes for kind, plan in by_storage.items()}},
+    )
 
 
 def _shards(shape: dict, verifier: str | Path | None, samples: int,
@@ -324,7 +324,7 @@ def gib(n: int | None, unit: int = GIB) -> str:
     return "-" if n is None else f"{n / unit:.2f}"
 
 
-def fit_error(plan: dict, stage: int) -> str | None:
+def fit_error(plan: Plan, stage: int) -> str | None:
     """``None`` when ``stage`` fits (or the fit is not checked), else one sentence naming the stage, the
     numbers and the fixes that would work."""
     s = plan["stages"][str(stage)]
@@ -342,7 +342,7 @@ def fit_error(plan: dict, stage: int) -> str | None:
             f"{plan['gpus_per_node']} GPUs; use " + ", or ".join(fixes))
 
 
-def check(plan: dict, stage: int) -> None:
+def check(plan: Plan, stage: int) -> None:
     """Raise :class:`DraftlineError` (exit 1) when ``stage`` does not fit."""
     err = fit_error(plan, stage)
     if err:
