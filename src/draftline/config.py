@@ -9,7 +9,7 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -145,8 +145,26 @@ class PrepareConfig(_Strict):
         return v
 
 
-class FinetuneConfig(_Strict):
+class FinetuneData(_Strict):
+    """Data: what it trains and validates on."""
+
+    GROUP: ClassVar[str] = "Data"
+
     data: str = Field(description="Prepared data: `runs:/<prepare run id>/data` or a local directory.")
+    eval_data: str | None = Field(None, description="A fixed evaluation set (`runs:/<prepare run>/data` or a "
+                                  "directory) to validate on instead of a held-out val_fraction of the data, so "
+                                  "runs on different data compare.")
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of samples held out for validation "
+                                                                  "(0 disables it).")
+    verify_data: bool = Field(False, description="Check every shard's sha256 before launch (a full pass; "
+                              "otherwise each shard is checked once while training reads it).")
+
+
+class FinetuneDrafter(_Strict):
+    """Parent and drafter: what it starts from and what it builds."""
+
+    GROUP: ClassVar[str] = "Parent and drafter"
+
     init: str = Field("random", description="Parent drafter: random | a catalog name (configs/parents.yaml) | "
                                             "a local directory | a cached HF repo id | models:/NAME/VERSION|STAGE "
                                             "| models:/NAME@alias.")
@@ -168,21 +186,15 @@ class FinetuneConfig(_Strict):
     draft_vocab_size: int | None = Field(None, ge=2, description="Draft vocabulary size when it is built from "
                                          "data (init=random or vocab=rebuild); default: the parent's, or "
                                          "min(32000, verifier vocabulary).")
-    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    gpus: int = Field(0, ge=0, description="Ranks on this node (0: all GPUs, or 1 CPU rank without GPUs).")
-    hostfile: str | None = Field(None, description="DeepSpeed hostfile: launch every node from this one over "
-                                 "pdsh/ssh (or run one finetune per node with --nnodes).")
-    nnodes: int | None = Field(None, ge=1, description="Nodes in the job, each running this same finetune (one "
-                               "Slurm task or Kubernetes pod per node) [default: NNODES, PET_NNODES or "
-                               "SLURM_NNODES, else 1].")
-    node_rank: int | None = Field(None, ge=0, description="This node's index in the job; node 0 opens the MLflow "
-                                  "run [default: NODE_RANK, PET_NODE_RANK or SLURM_NODEID].")
-    master_addr: str | None = Field(None, description="Node 0's address, the same on every node [default: "
-                                    "MASTER_ADDR].")
-    master_port: int | None = Field(None, ge=1024, le=65534, description="The ranks' rendezvous port on node 0; "
-                                    "the launchers also use the next one [default: MASTER_PORT, else 29500].")
-    rendezvous_timeout: float = Field(300.0, gt=0, description="Seconds a node waits for node 0 to answer and "
-                                      "node 0 for every node to join, before it gives up.")
+    ttt_steps: int = Field(3, ge=1, le=16, description="Test-time-training steps (draft positions).")
+    allow_pickle: bool = Field(False, description="Allow a pickle-only parent (loaded with weights_only=True).")
+
+
+class FinetuneOptimisation(_Strict):
+    """Optimisation: the optimiser, the schedule, the batches and the precision."""
+
+    GROUP: ClassVar[str] = "Optimisation"
+
     steps: int = Field(200, ge=1, description="Optimiser steps (--epochs sets them from the data instead).")
     epochs: float | None = Field(None, gt=0, le=1000, description="Passes over the prepared data: steps = "
                                  "ceil(epochs x training tokens / (ranks x --tokens-per-batch)), said before "
@@ -201,7 +213,6 @@ class FinetuneConfig(_Strict):
                                     "weighted by their share of the step's trained tokens: the same gradient, "
                                     "the packed attention over shorter sequences. 0: the whole step at once "
                                     "(what it buys: docs/training-speed.md).")
-    ttt_steps: int = Field(3, ge=1, le=16, description="Test-time-training steps (draft positions).")
     ttt_loss_decay: float = Field(1.0, gt=0, le=1.0, description="Loss weight of draft position k is decay^k "
                                   "(1.0: every position weighs the same, speculators' default).")
     hidden_noise: float = Field(0.0, ge=0, le=1.0, description="Gaussian noise on the verifier's hidden states "
@@ -210,28 +221,62 @@ class FinetuneConfig(_Strict):
         "auto", description="Training precision. auto: bf16 on GPUs; on CPUs whichever a short matmul "
         "measurement at the drafter's shape finds faster on this machine (CPUs differ by orders of magnitude "
         "in bf16).")
-    save_every: int = Field(50, ge=1, description="Save a DeepSpeed checkpoint every N steps (and at the end).")
-    log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
-    val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of samples held out for validation "
-                                                                  "(0 disables it).")
-    val_every: int = Field(50, ge=1, description="Validate every N steps (and at the end) under val/; the parent "
-                           "is validated before step 1. The best checkpoint by val/acceptance_length is kept "
-                           "beside the newest, and handed on.")
-    eval_data: str | None = Field(None, description="A fixed evaluation set (`runs:/<prepare run>/data` or a "
-                                  "directory) to validate on instead of a held-out val_fraction of the data, so "
-                                  "runs on different data compare.")
-    log_checkpoints: bool = Field(False, description="Also log the ZeRO checkpoints (fp32 master weights and "
-                                  "Adam's two moments: several times the weights) as artifacts; by default only the selected bf16 weights are logged "
-                                  "and the checkpoints stay in the work directory for --resume.")
-    seed: int = Field(0, description="Seed for weights and batch order.")
-    ds_config: str | None = Field(None, description="DeepSpeed JSON config (default configs/zero<stage>.json).")
-    allow_pickle: bool = Field(False, description="Allow a pickle-only parent (loaded with weights_only=True).")
     attn_impl: Literal["auto", "blockwise", "sdpa", "eager", "simple_flex_attention"] = Field(
         "auto", description="Draft attention: auto is blockwise on CPU ranks (per packed sample, the draft "
         "positions' keys as diagonals; equal to sdpa within rounding, faster on a CPU) and sdpa on GPUs; "
         "flex attention needs a GPU.")
-    verify_data: bool = Field(False, description="Check every shard's sha256 before launch (a full pass; "
-                              "otherwise each shard is checked once while training reads it).")
+    seed: int = Field(0, description="Seed for weights and batch order.")
+
+
+class FinetunePlacement(_Strict):
+    """ZeRO and ranks: deepSpeed's partitioning and the ranks of this job."""
+
+    GROUP: ClassVar[str] = "ZeRO and ranks"
+
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    gpus: int = Field(0, ge=0, description="Ranks on this node (0: all GPUs, or 1 CPU rank without GPUs).")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile: launch every node from this one over "
+                                 "pdsh/ssh (or run one finetune per node with --nnodes).")
+    ds_config: str | None = Field(None, description="DeepSpeed JSON config (default configs/zero<stage>.json).")
+
+
+class FinetuneNode(_Strict):
+    """This node in a multi-node job: where this node is; each node sets these for itself (the job's other
+    settings must agree)."""
+
+    GROUP: ClassVar[str] = "This node in a multi-node job"
+
+    nnodes: int | None = Field(None, ge=1, description="Nodes in the job, each running this same finetune (one "
+                               "Slurm task or Kubernetes pod per node) [default: NNODES, PET_NNODES or "
+                               "SLURM_NNODES, else 1].")
+    node_rank: int | None = Field(None, ge=0, description="This node's index in the job; node 0 opens the MLflow "
+                                  "run [default: NODE_RANK, PET_NODE_RANK or SLURM_NODEID].")
+    master_addr: str | None = Field(None, description="Node 0's address, the same on every node [default: "
+                                    "MASTER_ADDR].")
+    master_port: int | None = Field(None, ge=1024, le=65534, description="The ranks' rendezvous port on node 0; "
+                                    "the launchers also use the next one [default: MASTER_PORT, else 29500].")
+    rendezvous_timeout: float = Field(300.0, gt=0, description="Seconds a node waits for node 0 to answer and "
+                                      "node 0 for every node to join, before it gives up.")
+
+
+class FinetuneCheckpoints(_Strict):
+    """Validation, checkpoints and logging: how often it validates, saves and logs, and what it keeps."""
+
+    GROUP: ClassVar[str] = "Validation, checkpoints and logging"
+
+    val_every: int = Field(50, ge=1, description="Validate every N steps (and at the end) under val/; the parent "
+                           "is validated before step 1. The best checkpoint by val/acceptance_length is kept "
+                           "beside the newest, and handed on.")
+    save_every: int = Field(50, ge=1, description="Save a DeepSpeed checkpoint every N steps (and at the end).")
+    log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
+    log_checkpoints: bool = Field(False, description="Also log the ZeRO checkpoints (fp32 master weights and "
+                                  "Adam's two moments: several times the weights) as artifacts; by default only the selected bf16 weights are logged "
+                                  "and the checkpoints stay in the work directory for --resume.")
+
+
+class FinetuneConfig(FinetuneCheckpoints, FinetuneNode, FinetunePlacement, FinetuneOptimisation, FinetuneDrafter, FinetuneData):
+    """finetune's settings, grouped as speculators groups its arguments (data, drafter, optimisation, placement);
+    one flat model to its readers (``cfg.lr``), the groups' order the fields' order."""
 
 
 class ExportConfig(_Strict):
@@ -465,3 +510,14 @@ def check_keys(model: type[BaseModel], values: dict[str, Any], where: str) -> No
         hints.append(f"{k!r}" + (f" (did you mean {near!r}?)" if near else ""))
     raise ConfigError(f"{where}: {stage} has no setting {', '.join(hints)}; `draftline {stage} --help` lists "
                       "them")
+
+
+def groups(model: type[BaseModel]) -> list[tuple[str, list[str]]]:
+    """A grouped settings model's groups, in its fields' order: ``[(title, [field names])]`` (``[]`` for a model
+    without groups)."""
+    out = []
+    for base in reversed(model.__mro__):
+        title = base.__dict__.get("GROUP")
+        if title:
+            out.append((title, [n for n in base.__dict__.get("__annotations__", {}) if n in model.model_fields]))
+    return out

@@ -18,7 +18,7 @@ import click
 import pydantic
 
 from draftline import console, environment
-from draftline.config import check_model_name, load_file, resolve
+from draftline.config import check_model_name, groups, load_file, resolve
 from draftline.errors import DraftlineError
 from draftline.results import Result
 
@@ -26,7 +26,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class _Command(click.Command):
-    """Accepts ``--snake_case`` spellings of its options (MLflow passes undeclared parameters that way)."""
+    """Accepts ``--snake_case`` spellings of its options (MLflow passes undeclared parameters that way); lists a
+    grouped stage's options under its groups' titles in ``--help``."""
+
+    def format_options(self, ctx, formatter):
+        grouped = getattr(self.callback, "settings_groups", None)
+        if not grouped:
+            return super().format_options(ctx, formatter)
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)}
+        placed: set[str | None] = set()
+        for title, fields in grouped:
+            placed.update(fields)
+            rows = [r for n in fields if (r := records.get(n))]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+        rest = [r for n, r in records.items() if n not in placed and r]
+        if rest:
+            with formatter.section("Other options"):
+                formatter.write_dl(rest)
+        return None
 
     def parse_args(self, ctx, args):
         known = {o for p in self.params for o in p.opts}
@@ -183,6 +202,7 @@ def settings_options(model):
         f = _require(model, f)
         for name in reversed(list(model.model_fields)):
             f = _field_options(model, name, f)
+        f.settings_groups = groups(model)  # --help lists them under their groups' titles (_Command)
         return click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
                             help="YAML file of settings (flags override it).")(f)
 

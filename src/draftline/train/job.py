@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-from draftline.config import FinetuneConfig, work_dir
+from draftline.config import FinetuneConfig, FinetuneNode, work_dir
 from draftline.console import say
 from draftline.data.inputs import read_manifest
 from draftline.errors import DataError, DraftlineError, Interrupted
@@ -25,7 +25,7 @@ from draftline.train.rendezvous import Rendezvous
 from draftline.train.spec import WorkerSpec
 
 NONCE = ".rendezvous"  # node 0 writes one per job start into the checkpoint folder; every node must read it
-PLACE_FIELDS = {"nnodes", "node_rank", "master_addr", "master_port", "rendezvous_timeout"}
+PLACE_FIELDS = set(FinetuneNode.model_fields)  # this node's place: each node sets it for itself
 
 
 def settings_of(cfg: FinetuneConfig, place: Place, resume_run: str | None, ranks: int) -> dict:

@@ -31,6 +31,26 @@ def test_help_lists_every_command_and_stage_settings(run):
     assert "--zero-stage" in ft and "DeepSpeed ZeRO stage" in ft and "[parent|rebuild]" in ft
 
 
+def test_finetune_help_lists_each_setting_once_under_its_group(run):
+    from draftline.config import FinetuneConfig, groups
+    from draftline.train.job import PLACE_FIELDS
+
+    ft = run("finetune", "--help").output
+    titles = [t for t, _ in groups(FinetuneConfig)]
+    assert titles == ["Data", "Parent and drafter", "Optimisation", "ZeRO and ranks", "This node in a multi-node job",
+                      "Validation, checkpoints and logging"]
+    at = [ft.index(f"\n{t}:\n") for t in titles]
+    assert at == sorted(at), "the groups in their order"
+    for (title, fields), start, end in zip(groups(FinetuneConfig), at, [*at[1:], len(ft)], strict=True):
+        for name in fields:
+            flag = "--" + name.replace("_", "-")
+            assert ft.count(f"  {flag} ") == 1 and start < ft.index(f"  {flag} ") < end, f"{flag} under {title}"
+    assert "Other options:" in ft and ft.index("--resume") > at[-1]
+    assert sorted(f for _, fs in groups(FinetuneConfig) for f in fs) == sorted(FinetuneConfig.model_fields)
+    # what each node of a multi-node job sets for itself is that group, not a hand-kept list
+    assert PLACE_FIELDS == {"nnodes", "node_rank", "master_addr", "master_port", "rendezvous_timeout"}
+
+
 def test_unknown_init_lists_the_catalog(run, workspace, prepared):
     r = run("finetune", "--data", str(prepared), "--init", "no-such-parent")
     assert r.exit_code == 1
