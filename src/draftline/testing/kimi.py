@@ -36,7 +36,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from draftline.drafter.form import EagleForm
 from draftline.testing.kimi_k25 import write_k25
-from draftline.testing.tiny import _corpus_texts, build_tokenizer, write_parent
+from draftline.testing.tiny import _corpus_texts, build_tokenizer, parent_data, write_parent
 
 KIMI_VERIFIER_ID = "draftline/tiny-kimi-k2"
 KIMI_K25_VERIFIER_ID = "draftline/tiny-kimi-k25"
@@ -155,15 +155,16 @@ def make_tiny_kimi(out_dir: Path, conversations: Path, *, parent_steps: int = 60
     # deepseek_v3 config.json in a scratch folder; the custom-code directory needs no trust for it)
     scratch = out_dir / ".parent-verifier"
     model.save_pretrained(scratch, safe_serialization=True)
-    try:
+    try:  # the three parents learn from the same hidden states: captured once
+        data = parent_data(model, tokenizer, conversations, progress=progress)
         write_parent(model, scratch, tokenizer, conversations, paths["parent"], draft_vocab_size=DRAFT_VOCAB,
-                     parent_steps=parent_steps, seed=seed, progress=progress)
+                     parent_steps=parent_steps, seed=seed, progress=progress, data=data)
         write_parent(model, scratch, tokenizer, conversations, paths["parent_mla"], draft_vocab_size=DRAFT_VOCAB,
                      parent_steps=parent_steps, seed=seed, progress=progress, layer_kind="mla",
-                     served_id=KIMI_VERIFIER_ID)
+                     served_id=KIMI_VERIFIER_ID, data=data)
         write_parent(model, scratch, tokenizer, conversations, paths["parent_mla31"], draft_vocab_size=DRAFT_VOCAB,
                      parent_steps=parent_steps, seed=seed, progress=progress, layer_kind="mla",
-                     served_id=KIMI_VERIFIER_ID, form=EagleForm(fc_norm=True, norm_output=True))
+                     served_id=KIMI_VERIFIER_ID, form=EagleForm(fc_norm=True, norm_output=True), data=data)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return paths

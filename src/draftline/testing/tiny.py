@@ -126,22 +126,32 @@ def make_tiny(out_dir: Path, conversations: Path, *, parent_steps: int = 60, see
     return {"verifier": verifier_dir, "parent": parent_dir}
 
 
+def parent_data(verifier, tokenizer, conversations: Path, *, progress: bool) -> tuple[list, list[dict]]:
+    """What a parent of ``verifier`` learns from: the first half of ``conversations`` tokenised (at most 512
+    tokens each), and the verifier's hidden states on them at its default aux layers."""
+    # The parent learns from the first half of the conversations; users finetune on whatever they bring.
+    samples = tokenize_conversations(load_conversations(conversations).samples, tokenizer, max_length=512)
+    samples = samples[: max(1, len(samples) // 2)]
+    aux = default_aux_layers(verifier.config.num_hidden_layers)
+    return samples, capture_hidden_states(verifier, samples, aux, progress=progress)
+
+
 def write_parent(verifier, verifier_dir: Path, tokenizer, conversations: Path, parent_dir: Path, *,
                  draft_vocab_size: int, parent_steps: int, seed: int, progress: bool, layer_kind: str = "llama",
-                 served_id: str | None = None, form: EagleForm = EagleForm()) -> Path:
+                 served_id: str | None = None, form: EagleForm = EagleForm(),
+                 data: tuple[list, list[dict]] | None = None) -> Path:
     """A parent for ``verifier`` (its causal LM, saved in ``verifier_dir``): a drafter trained ``parent_steps``
     steps on the verifier's hidden states over the first half of ``conversations``, saved in bf16 with
     ``midlayer.*`` keys. ``layer_kind`` ``llama``: AQ-MedAI's layout (a Llama layer, ``d2t``/``t2d``, SpecForge's
     config.json). ``mla``: lightseekorg/kimi-k2.5-eagle3-mla's (one MLA layer, vLLM's flat
     ``Eagle3DeepseekV2ForCausalLM`` config.json, the verifier's whole vocabulary as draft vocabulary, so no
     ``d2t``/``t2d``; ``draft_vocab_size`` is ignored). ``form``: EAGLE 3.0, or 3.1 (``fc_norm.{i}.weight`` and
-    ``norm_output``, as lightseekorg/kimi-k2.6-eagle3.1-mla)."""
-    # The parent learns from the first half of the conversations; users finetune on whatever they bring.
-    samples = tokenize_conversations(load_conversations(conversations).samples, tokenizer, max_length=512)
-    samples = samples[: max(1, len(samples) // 2)]
+    ``norm_output``, as lightseekorg/kimi-k2.6-eagle3.1-mla). ``data``: :func:`parent_data` for this verifier
+    and these conversations, captured once for several parents (default: captured here)."""
+    samples, batch = data if data is not None else parent_data(verifier, tokenizer, conversations,
+                                                               progress=progress)
     vocab_size = verifier.config.vocab_size
     aux = default_aux_layers(verifier.config.num_hidden_layers)
-    batch = capture_hidden_states(verifier, samples, aux, progress=progress)
     freqs = torch.zeros(vocab_size, dtype=torch.long)
     for s in samples:
         ids = torch.tensor(s.input_ids)[torch.tensor(s.loss_mask, dtype=torch.bool)]
