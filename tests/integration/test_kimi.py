@@ -4,9 +4,11 @@ bf16, through every stage. Skipped, saying why, without the vLLM venv (CI builds
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -155,6 +157,8 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     lightseek's Kimi-K2.6 layout (ZeRO-2, 2 ranks, --vocab rebuild from its whole vocabulary) -> evaluate on vLLM beside the verifier
     (bf16, lossless up to near ties) -> export with the vLLM check on -> promote -> pull --stage Production -> the
     pulled directory served by the printed command's speculative config, drafting."""
+    from draftline.data.capture_vllm import loopback_capture_server
+    from draftline.drafter.shape import default_aux_layers
     from draftline.registry.versions import model_id_of
     from draftline.serving.client import read_counters
     from draftline.serving.engine import ServeSpec, VllmServer, extra_vllm_args
@@ -164,12 +168,26 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     verifier = str(kimi["verifier"])
     monkeypatch.setenv("DRAFTLINE_TINY_KIMI_DIR", str(kimi["parent_mla"].parent))
     allow_custom_code(verifier)  # for the servers the test starts itself; the stages are told by the flag
+    # one capture server for both prepares, the one each would start on loopback (the aux layers and the last;
+    # room for --max-length 320 as prepare leaves it), started while the regenerating server starts
+    depth = json.loads((kimi["verifier"] / "config.json").read_text())["num_hidden_layers"]
+    layers = [*default_aux_layers(depth), depth]
+    (tmp_path / "hidden-states").mkdir()
+    capture = loopback_capture_server(verifier, layers, str(tmp_path / "hidden-states"), max_len=320 + 8)
     # served as Kimi-K2.5 teams serve it: its reasoning parser splits the replies, prepare trains on all their ids
-    with VllmServer(ServeSpec(model=verifier, served_name="kimi", max_model_len=1024,
-                              extra_args=[*extra_vllm_args(), "--reasoning-parser", "kimi_k2"])) as server:
+    with ThreadPoolExecutor(1) as pool, contextlib.ExitStack() as stack:
+        stack.callback(capture.stop)
+        starting = pool.submit(capture.start)
+        stack.callback(starting.exception)  # (callbacks run last first: the start is over before the stop)
+        server = stack.enter_context(VllmServer(ServeSpec(
+            model=verifier, served_name="kimi", max_model_len=1024,
+            extra_args=[*extra_vllm_args(), "--reasoning-parser", "kimi_k2"])))
+        starting.result()
         assert server.spec.dtype == "bfloat16" and "--trust-remote-code" in server.spec.argv(vllm_python, 0)
+        assert capture.spec.dtype == "bfloat16" and "--trust-remote-code" in capture.spec.argv(vllm_python, 0)
         regen = ("--verifier", verifier, "--trust-remote-code", "--regenerate-endpoint", server.endpoint,
-                 "--regenerate-max-tokens", "48", "--max-length", "320", "--capture-backend", "vllm")
+                 "--regenerate-max-tokens", "48", "--max-length", "320", "--capture-backend", "vllm",
+                 "--capture-endpoint", capture.endpoint, "--capture-model", capture.model)
         ev = invoke("prepare", "--conversations", str(GSM8K_TEST), "--max-samples", "12", "--name", "evaluation",
                     *regen)
         train = invoke("prepare", "--conversations", str(GSM8K_TRAIN), "--max-samples", "48", *regen)
@@ -275,7 +293,7 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
             for n in range(4)])
         traffic.start()
         seen = CliRunner().invoke(cli, ["observe", "--endpoint", served.endpoint, "--drafter", spec["model"],
-                                        "--window", "10", "--json"], catch_exceptions=False)
+                                        "--window", "4", "--json"], catch_exceptions=False)
         traffic.join()
     assert seen.exit_code in (0, 1), seen.output  # 1: below the evaluation's interval (an alert), said so
     observed = json.loads(seen.stdout)
