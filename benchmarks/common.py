@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from draftline.drafter.shape import KIMI_K2, KIMI_K25_MLA
+from draftline.drafter.layer_kinds import KIMI_K2, KIMI_K25_MLA
 
 SHAPES = {
     # the tiny one the tests use: hidden, intermediate, heads, kv heads, head_dim, target and draft vocab
@@ -44,11 +44,11 @@ def drafter_config(shape: str, attn: str = "sdpa"):
     """The speculators config of the shape: one Llama (or, for :data:`MLA_SHAPES`, MLA) layer, as ``draftline
     plan`` builds it; ``attn`` is the
     draft attention (``sdpa``, ``eager``, or ``simple_flex_attention``, speculators' default, which needs a GPU)."""
-    from draftline.drafter.shape import llama_drafter_config, mla_drafter_config
+    from draftline.drafter import layer_kinds
 
     s = SHAPES[shape]
-    build = mla_drafter_config if shape in MLA_SHAPES else llama_drafter_config
-    config = build(s, draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=s.get("aux_layer_ids", AUX))
+    kind = layer_kinds.named("mla" if shape in MLA_SHAPES else "llama")
+    config = kind.drafter_config(s, draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=s.get("aux_layer_ids", AUX))
     config.transformer_layer_config._attn_implementation = attn  # noqa: SLF001
     return config
 

@@ -18,8 +18,9 @@ from draftline.drafter import (
 from draftline.drafter.batches import batch_plan, batches
 from draftline.drafter.fast_ops import bf16_argmax_by_max
 from draftline.drafter.form import split as split_form
+from draftline.drafter.layer_kinds import VERIFIER_ONLY_KEYS
 from draftline.drafter.loss import kl_div
-from draftline.drafter.shape import VERIFIER_ONLY_KEYS, layer_config
+from draftline.drafter.shape import layer_config
 from draftline.drafter.walk import walk_sums
 from draftline.serving.hf_model import is_trusted, load_config
 

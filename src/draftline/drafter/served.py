@@ -18,17 +18,16 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from draftline.drafter import layer_kinds
 from draftline.drafter.aux_ids import IDS
 from draftline.drafter.checkpoints import to_midlayer_layout
-from draftline.drafter.form import EagleForm
-from draftline.drafter.shape import layer_kind, served_mla_config
 
 __all__ = ["is_mla_drafter", "save_served", "short_form"]
 
 
 def is_mla_drafter(model) -> bool:
     """Whether ``model`` (an ``Eagle3DraftModel``) has an MLA decoder layer."""
-    return layer_kind(model.config.transformer_layer_config.to_dict()) == "mla"
+    return layer_kinds.of_layer(model.config.transformer_layer_config.to_dict()) is layer_kinds.MlaLayer
 
 
 def short_form(config: dict) -> bool:
@@ -40,7 +39,8 @@ def save_served(model, out: Path, verifier: str) -> Path:
     """Write ``model`` to ``out`` in the form vLLM serves for its layer; ``verifier`` the id or directory the
     speculators form names (the MLA form names none: the serve line does)."""
     out.mkdir(parents=True, exist_ok=True)
-    if not is_mla_drafter(model):
+    flat = layer_kinds.of_layer(model.config.transformer_layer_config.to_dict()).served_config(model)
+    if flat is None:  # speculators' format
         model.config.target_hidden_size = model.hidden_size
         model.config.speculators_config.verifier.name_or_path = str(verifier)
         model.save_pretrained(str(out), safe_serialization=True)
@@ -48,11 +48,7 @@ def save_served(model, out: Path, verifier: str) -> Path:
         return out
     state = to_midlayer_layout({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = served_mla_config(model.config.transformer_layer_config, draft_vocab_size=model.draft_vocab_size,
-                            aux_layer_ids=list(model.config.eagle_aux_hidden_state_layer_ids),
-                            norm_before_residual=bool(model.config.norm_before_residual),
-                            form=EagleForm.of_model(model.config))
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(flat, indent=2) + "\n")
     return out
 
 

@@ -26,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from draftline.data.capture import capture_hidden_states
 from draftline.data.conversations import load_conversations
 from draftline.data.tokenize import tokenize_conversations
+from draftline.drafter import layer_kinds
 from draftline.drafter.checkpoints import to_midlayer_layout
 from draftline.drafter.form import EagleForm, with_form
 from draftline.drafter.model import build_draft_model, train_steps_in_process
@@ -156,7 +157,8 @@ def write_parent(verifier, verifier_dir: Path, tokenizer, conversations: Path, p
     for s in samples:
         ids = torch.tensor(s.input_ids)[torch.tensor(s.loss_mask, dtype=torch.bool)]
         freqs += torch.bincount(ids, minlength=vocab_size)
-    if layer_kind == "mla":  # the whole vocabulary, row i drafting token i
+    kind = layer_kinds.named(layer_kind)
+    if kind.whole_vocabulary():  # the whole vocabulary, row i drafting token i, as the published one
         draft_vocab_size = vocab_size
         d2t, t2d = torch.zeros(vocab_size, dtype=torch.long), torch.ones(vocab_size, dtype=torch.bool)
     else:
@@ -171,7 +173,7 @@ def write_parent(verifier, verifier_dir: Path, tokenizer, conversations: Path, p
                            progress=progress)
 
     parent_dir.mkdir(parents=True, exist_ok=True)
-    if layer_kind == "mla":
+    if kind.whole_vocabulary():  # lightseek's layout: the form vLLM serves, no d2t/t2d
         save_served(model.to(torch.bfloat16), parent_dir, served_id or str(verifier_dir))
         weights = load_file(parent_dir / "model.safetensors")  # lightseek's ships no d2t/t2d: the vocabulary is whole
         save_file({k: v for k, v in weights.items() if k not in ("d2t", "t2d")}, parent_dir / "model.safetensors",

@@ -34,6 +34,7 @@ from typing import Any
 from speculators.models.eagle3.model_definitions import model_classes
 
 from draftline.data import storage
+from draftline.drafter import layer_kinds
 from draftline.drafter.model import meta_drafter
 from draftline.drafter.shape import default_config, load_config
 from draftline.errors import ConfigError, DraftlineError
@@ -82,7 +83,7 @@ def count_params(config) -> dict[str, Any]:
                   "num_attention_heads": tl.num_attention_heads,
                   "num_key_value_heads": tl.num_key_value_heads,
                   "head_dim": _qk_head_dim(tl, model.hidden_size), "latent": _latent_width(tl),
-                  "layer": "mla" if getattr(tl, "kv_lora_rank", None) is not None else "llama",
+                  "layer": layer_kinds.of_layer(tl.to_dict()).served.name,
                   "draft_vocab_size": model.draft_vocab_size, "verifier_vocab_size": tl.vocab_size,
                   "num_aux": model.fc.in_features // model.hidden_size, "layers": tl.num_hidden_layers},
     }
@@ -152,7 +153,7 @@ def activation_bytes(shape: dict[str, int], tokens: int, ttt_steps: int, precisi
     else:
         # an MLA layer's query/key heads (nope + rope) are wider than its value heads: PyTorch's CPU sdpa then
         # takes its math path, which keeps the probabilities as eager does (counted: an upper bound on GPUs)
-        unequal = (4 + b) * heads if shape.get("layer") == "mla" else 0
+        unequal = (4 + b) * heads if layer_kinds.named(str(shape.get("layer", "llama"))).unequal_heads else 0
         dense = {"simple_flex_attention": 0, "sdpa": 2 + unequal, "eager": (4 + b) * heads}
         quadratic = layers * dense.get(attn_impl, 2) * tokens * tokens * tri
     return Activations(bytes=tokens * per_token + quadratic, bytes_per_token=per_token, quadratic=quadratic,
@@ -249,11 +250,8 @@ def make_plan(config=None, *, gpus: int = 8, nodes: int = 1, gpu_memory_gib: flo
         raise ConfigError(f"zero_stage must be one of 0-3, got {zero_stage}")
 
     if config is None:
-        if layer not in ("llama", "mla"):
-            raise ConfigError(f"drafter layer must be llama or mla, got {layer!r}")
         config = default_config(layer, draft_vocab_size)
-        name = name or ("Kimi-K2.5 EAGLE-3 MLA (lightseekorg/kimi-k2.5-eagle3-mla shape)" if layer == "mla"
-                        else "Kimi-K2 EAGLE-3 (AQ-MedAI shape)")
+        name = name or layer_kinds.named(layer).reference_name
     elif isinstance(config, (str, Path, dict)):
         name = name or (str(config) if not isinstance(config, dict) else "drafter config")
         config = load_config(config)

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from draftline.cli import cli
+from draftline.drafter import layer_kinds
 from draftline.drafter import shape as drafter_shape
 from draftline.train import plan
 
@@ -121,13 +122,13 @@ def test_activation_estimate_matches_what_autograd_saves(attn, layer):
     if layer == "llama":
         shape = dict(hidden_size=h, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=64, vocab_size=v)
-        cfg = drafter_shape.llama_drafter_config(shape, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
+        cfg = layer_kinds.LlamaLayer.drafter_config(shape, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
         repeated_kv = 2 * 2 * (2 * 64) * k  # the K/V cache of 2 heads, repeated to 4 before attention
     else:
         shape = dict(hidden_size=h, intermediate_size=640, num_attention_heads=4, num_key_value_heads=4,
                      q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                      vocab_size=v, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-        cfg = drafter_shape.mla_drafter_config(shape, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
+        cfg = layer_kinds.MlaLayer.drafter_config(shape, draft_vocab_size=dv, aux_layer_ids=[1, 2, 3])
         repeated_kv = 0  # MLA expands its latent into every head: nothing repeated
     est = plan.activation_bytes(plan.count_params(cfg)["shape"], t, k, "bf16", attn)
     cfg.transformer_layer_config._attn_implementation = attn

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from benchmarks.parent_load import aq_medai_state
 from draftline.cli import cli
 from draftline.drafter.checkpoints import find_checkpoint
-from draftline.drafter.shape import KIMI_K2, layer_config
+from draftline.drafter.layer_kinds import KIMI_K2
+from draftline.drafter.shape import layer_config
 from draftline.errors import CheckpointError, DataError
 from draftline.train.preflight import preflight
 
