@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# The tiny drafter's reference finetune (after --data): test_resume's uninterrupted run and test_nodes' run of one
+# node with two ranks, trained once (reference_finetune) at the precision their runs chose
+REFERENCE_FINETUNE = ("--init", "tiny", "--gpus", "2", "--steps", "4", "--save-every", "2", "--tokens-per-batch",
+                      "512", "--val-fraction", "0")
 
 
 def clean_env() -> dict[str, str]:
@@ -37,3 +42,33 @@ def light_install(tmp_path_factory, draftline_wheel) -> dict[str, Path]:
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
                     str(wheel)], check=True, env=env, timeout=600)
     return {"wheel": wheel, "venv": venv}
+
+
+@pytest.fixture(scope="session")
+def reference_finetune(tiny, prepared, tmp_path_factory):
+    """``reference_finetune(precision)``: the consolidated weights of ``finetune --data PREPARED
+    REFERENCE_FINETUNE --precision PRECISION``, trained once per precision as the tests ran it (a subprocess in a
+    clean working directory with its own tracking store, experiment ``tests``), leaving no DeepSpeed all-reduce
+    buffer in /dev/shm. A test passes the precision its own runs logged: ``--precision auto`` measures the host
+    each time, and a loaded CPU can choose otherwise from one run to the next."""
+    from draftline.drafter.handoff import consolidate
+
+    trained: dict[str, dict] = {}
+
+    def train(precision: str) -> dict:
+        if precision not in trained:
+            here = tmp_path_factory.mktemp(f"reference-finetune-{precision}")
+            env = {**{k: v for k, v in os.environ.items() if k not in (
+                       "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID", "DRAFTLINE_TRUST_REMOTE_CODE")},
+                   "DRAFTLINE_WORK": str(here / "work"), "DRAFTLINE_TINY_DIR": str(tiny["parent"].parent),
+                   "DRAFTLINE_EXPERIMENT": "tests"}
+            shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+            done = subprocess.run([sys.executable, "-m", "draftline.cli", "finetune", "--data", str(prepared),
+                                   *REFERENCE_FINETUNE, "--precision", precision], capture_output=True, text=True,
+                                  cwd=here, env=env)
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
+            trained[precision] = consolidate(here / "work" / json.loads(done.stdout)["run_id"] / "checkpoints")
+        return trained[precision]
+
+    return train

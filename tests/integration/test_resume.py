@@ -14,6 +14,8 @@ from mlflow import MlflowClient
 
 from draftline import names
 
+from .conftest import REFERENCE_FINETUNE
+
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,8 +42,9 @@ def _killed_at_step2(flags: list) -> str:
     return latest.parents[1].name
 
 
-def _resumed_equals_uninterrupted(flags: list, run_id: str, params_before: dict) -> dict:
-    """Resume the killed run to the end; its weights are those of an uninterrupted run with the same seed."""
+def _resumed_equals_uninterrupted(flags: list, run_id: str, params_before: dict, reference: dict | None = None) -> dict:
+    """Resume the killed run to the end; its weights are those of an uninterrupted run with the same seed
+    (``reference``: its consolidated weights, where a fixture trained it; otherwise it is trained here)."""
     from draftline.drafter.handoff import consolidate
 
     client = MlflowClient()
@@ -54,10 +57,11 @@ def _resumed_equals_uninterrupted(flags: list, run_id: str, params_before: dict)
     steps = sorted({m.step for m in client.get_metric_history(run_id, names.TRAIN_LOSS)})
     assert steps == [1, 2, 3, 4]
 
-    straight = subprocess.run(_draftline("finetune", *flags), capture_output=True, text=True)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    if reference is None:
+        straight = subprocess.run(_draftline("finetune", *flags), capture_output=True, text=True)
+        assert straight.returncode == 0, straight.stderr[-3000:]
+        reference = consolidate(Path("work") / json.loads(straight.stdout)["run_id"] / "checkpoints")
     resumed = consolidate(Path("work") / run_id / "checkpoints")
-    reference = consolidate(Path("work") / json.loads(straight.stdout)["run_id"] / "checkpoints")
     assert resumed.keys() == reference.keys()
     for key in reference:
         torch.testing.assert_close(resumed[key], reference[key], rtol=1e-2, atol=1e-3, msg=key)  # bf16 tolerance
@@ -67,9 +71,8 @@ def _resumed_equals_uninterrupted(flags: list, run_id: str, params_before: dict)
 
 
 @pytest.mark.timeout(900)
-def test_kill_and_resume_continues_the_same_run(workspace, prepared):
-    flags = ["--data", prepared, "--init", "tiny", "--gpus", "2", "--steps", "4", "--save-every", "2",
-             "--tokens-per-batch", "512", "--val-fraction", "0"]
+def test_kill_and_resume_continues_the_same_run(workspace, prepared, reference_finetune):
+    flags = ["--data", prepared, *REFERENCE_FINETUNE]  # the uninterrupted run: reference_finetune
     shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     run_id = _killed_at_step2(flags)
     params_before = MlflowClient().get_run(run_id).data.params
@@ -79,9 +82,10 @@ def test_kill_and_resume_continues_the_same_run(workspace, prepared):
     assert changed.returncode == 1
     assert "cannot change its settings" in changed.stderr and "Traceback" not in changed.stderr
 
-    _resumed_equals_uninterrupted(flags, run_id, params_before)
+    _resumed_equals_uninterrupted(flags, run_id, params_before,
+                                  reference_finetune(params_before[names.TRAIN_PRECISION]))
     # DeepSpeed's CPU all-reduce buffers (66 MiB of RAM per rank in /dev/shm): none left by the three runs, the
-    # one killed with -9 included
+    # one killed with -9 included (the uninterrupted one's fixture checks its own)
     assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
 
 
