@@ -69,12 +69,22 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
         ("--seed", dict(type=int, default=0, metavar="N", help="the seed of both (default: %(default)s)")),
         ("--max-new-tokens", dict(type=int, default=24, metavar="N", help="tokens per prompt (default: %(default)s)")),
         ("--concurrency", dict(default="1", metavar="C,C", help="speed-up concurrencies (default: %(default)s)"))]),
-    "eagle-forms": ("EAGLE 3.0 vs 3.1 MLA Kimi drafter at equal data and steps, served by vLLM (after "
-                    "./demo_kimi.sh)", [
+    "eagle-forms": ("EAGLE 3.0 vs 3.1 drafter at equal data and steps, served by vLLM (after ./demo_kimi.sh or "
+                    "./demo_real.sh)", [
+        ("--shape", dict(default="kimi", choices=("kimi", "smollm2"),
+                         help="kimi: MLA drafters, after ./demo_kimi.sh; smollm2: SmolLM2's Llama layer, after "
+                              "./demo_real.sh (default: %(default)s)")),
         steps("finetune steps of each drafter", default=100),
         ("--seed", dict(type=int, default=0, metavar="N", help="the seed of both (default: %(default)s)")),
         ("--max-new-tokens", dict(type=int, default=24, metavar="N", help="tokens per prompt (default: %(default)s)")),
         ("--concurrency", dict(default="1", metavar="C,C", help="speed-up concurrencies (default: %(default)s)"))]),
+    "aux-translation": ("a parent trained on SGLang-counted layers, finetuned with and without the translation to "
+                        "vLLM's count, served by vLLM (after ./demo_kimi.sh)", [
+        steps("finetune steps of each child", default=100),
+        ("--parent-steps", dict(type=int, default=200, metavar="N",
+                                help="the parent's steps from random init (default: %(default)s)")),
+        ("--seed", dict(type=int, default=0, metavar="N", help="the children's seed (default: %(default)s)")),
+        ("--max-new-tokens", dict(type=int, default=24, metavar="N", help="tokens per prompt (default: %(default)s)"))]),
     "fp8-shards": ("fp8 vs bf16 shards of the same capture: served acceptance by vLLM and bytes (after "
                    "./demo_kimi.sh or ./demo_real.sh)", [
         ("--shape", dict(default="kimi", choices=("kimi", "smollm2"),
