@@ -8,6 +8,10 @@ import json
 import subprocess
 import sys
 
+# demo_real.sh's training settings (its ranks, tokens per rank, lr, warm-up, draft vocabulary), for a drafter of
+# SmolLM2 from random init
+SMOLLM2_RECIPE = ("--draft-vocab-size", "8192", "--gpus", "2", "--tokens-per-batch", "1024", "--lr", "1e-3",
+                  "--warmup-steps", "10")
 KIMI_RECIPE = ("--draft-vocab-size", "256", "--gpus", "2", "--zero-stage", "2", "--tokens-per-batch", "512",
                "--lr", "3e-3", "--warmup-steps", "0")
 
@@ -27,11 +31,12 @@ def latest_run(step: str, name: str | None = None) -> str:
                      "first")
 
 
-def finetune_kimi(data: str, evalset: str, *, steps: int, seed: int, side: list[str]) -> str:
-    """``draftline finetune`` at the Kimi demo's recipe on ``data``, validated on ``evalset``, with ``side``'s
-    flags (what the benchmark varies); the run id."""
+def finetune_kimi(data: str, evalset: str, *, steps: int, seed: int, side: list[str],
+                  recipe: tuple[str, ...] = KIMI_RECIPE) -> str:
+    """``draftline finetune`` at the Kimi demo's recipe (or ``recipe``) on ``data``, validated on ``evalset``, with
+    ``side``'s flags (what the benchmark varies); the run id."""
     cmd = [sys.executable, "-m", "draftline.cli", "finetune", "--data", data, "--eval-data", evalset, *side,
-           *KIMI_RECIPE, "--steps", str(steps), "--val-every", str(steps), "--seed", str(seed)]
+           *recipe, "--steps", str(steps), "--val-every", str(steps), "--seed", str(seed)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"finetune {' '.join(side)} on {data} failed:\n{r.stderr[-3000:]}")

@@ -20,17 +20,21 @@ FORMS = {"3.0": ["--fc-norm", "false", "--norm-output", "false"], "3.1": ["--fc-
 LABEL = "3.1 - 3.0"
 
 
-def run(steps: int = 100, seed: int = 0, max_new_tokens: int = 24, concurrency: str = "1") -> dict:
-    sides, paired, data, evalset = compare({form: ["--init", "random", "--drafter-layer", "mla", *flags]
+def run(shape: str = "kimi", steps: int = 100, seed: int = 0, max_new_tokens: int = 24, concurrency: str = "1") -> dict:
+    layer = "mla" if shape == "kimi" else "llama"  # SmolLM2: its own Llama layer, speculators' Eagle3DraftModel's
+    sides, paired, data, evalset = compare({form: ["--init", "random", "--drafter-layer", layer, *flags]
                                             for form, flags in FORMS.items()}, steps=steps, seed=seed,
-                                           max_new_tokens=max_new_tokens, concurrency=concurrency)
-    return {"summary": summarize(sides, paired, LABEL), "shape": "kimi", "sides": sides, "paired_31_minus_30": paired,
+                                           max_new_tokens=max_new_tokens, concurrency=concurrency, shape=shape)
+    recipe = ("MLA drafters from random init, the same vLLM-answered data, steps, seed, draft vocabulary 256, lr "
+              "3e-3, ZeRO-2 on 2 CPU ranks, only the EAGLE form differing; evaluate on vLLM (bf16)") if shape == "kimi" \
+        else ("SmolLM2's own Llama-layer drafters from random init on demo_real.sh's team GSM8K data (answered by "
+              "SmolLM2 through vLLM), the same steps, seed, draft vocabulary 8192, lr 1e-3, 1024 tokens per rank, 2 "
+              "CPU ranks, only the EAGLE form differing; evaluate on vLLM (float32)")
+    return {"summary": summarize(sides, paired, LABEL), "shape": shape, "sides": sides, "paired_31_minus_30": paired,
             "steps": steps, "seed": seed, "data": data, "evaluation_set": evalset, "max_new_tokens": max_new_tokens,
             "concurrency": concurrency, "amx": cpu_has_amx(),
-            "method": "MLA drafters from random init, the same vLLM-answered data, steps, seed, draft vocabulary 256, "
-                      "lr 3e-3, ZeRO-2 on 2 CPU ranks, only the EAGLE form differing; evaluate on vLLM (bf16) on the "
-                      "same held-out prompts, k=3; intervals: bootstrap over prompts (95%), paired by prompt for "
-                      "the difference"}
+            "method": recipe + " on the same held-out prompts, k=3; intervals: bootstrap over prompts (95%), paired "
+                      "by prompt for the difference"}
 
 
 if __name__ == "__main__":  # rewrite a result's summary from its figures

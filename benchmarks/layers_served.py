@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.demo_runs import finetune_kimi, latest_run
+from benchmarks.demo_runs import KIMI_RECIPE, SMOLLM2_RECIPE, finetune_kimi, latest_run
 from draftline import names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,10 +55,10 @@ def summarize(sides: dict[str, dict], paired: dict | None, label: str = "mla - l
 
 
 def compare(sides: dict[str, list[str]], *, steps: int, seed: int, max_new_tokens: int,
-            concurrency: str) -> tuple[dict[str, dict], dict | None, str, str]:
-    """Finetune one drafter per side (its flags) from the Kimi demo's data at equal steps and seed, evaluate
-    each by vLLM on the same held-out prompts; ``(sides, paired: the second minus the first, by prompt, data,
-    evaluation set)``."""
+            concurrency: str, shape: str = "kimi") -> tuple[dict[str, dict], dict | None, str, str]:
+    """Finetune one drafter per side (its flags) from the Kimi demo's data (``shape`` smollm2: demo_real.sh's team
+    data, at its training settings) at equal steps and seed, evaluate each by vLLM on the same held-out prompts;
+    ``(sides, paired: the second minus the first, by prompt, data, evaluation set)``."""
     os.environ.setdefault("DRAFTLINE_TINY_KIMI_DIR", str(ROOT / "work" / "tiny-kimi"))
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlflow.db'}")
     from mlflow import MlflowClient
@@ -66,10 +66,12 @@ def compare(sides: dict[str, list[str]], *, steps: int, seed: int, max_new_token
     from draftline.registry.confidence import paired_difference, read_per_prompt
 
     client = MlflowClient()
-    data, evalset = (f"runs:/{latest_run('prepare', name)}/data" for name in ("conversations", "evaluation"))
+    train_name = "team-gsm8k" if shape == "smollm2" else "conversations"
+    data, evalset = (f"runs:/{latest_run('prepare', name)}/data" for name in (train_name, "evaluation"))
+    recipe = SMOLLM2_RECIPE if shape == "smollm2" else KIMI_RECIPE
     out: dict[str, dict] = {}
     for name, flags in sides.items():
-        run_id = finetune_kimi(data, evalset, steps=steps, seed=seed, side=flags)
+        run_id = finetune_kimi(data, evalset, steps=steps, seed=seed, side=flags, recipe=recipe)
         train = client.get_run(run_id).data
         evaluated = _evaluate(run_id, evalset, max_new_tokens, concurrency)
         plan = client.download_artifacts(run_id, "plan.json", tempfile.mkdtemp())
