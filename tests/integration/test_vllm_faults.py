@@ -29,6 +29,18 @@ def draftline(*args: str, env: dict, cwd: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=900)
 
 
+def in_process(*args: str, env: dict):
+    """``draftline ARGS`` in this process (its working directory, ``workspace``), with what ``env`` sets beyond
+    this process's environment; the experiment MLflow exports on the way is not left to what follows."""
+    from click.testing import CliRunner
+
+    from draftline.cli import cli
+
+    changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    return CliRunner().invoke(cli, list(args), env={"MLFLOW_EXPERIMENT_ID": None, **changed},
+                              catch_exceptions=False)
+
+
 def successes(endpoint: str) -> float:
     """Requests vLLM finished, from its Prometheus counters."""
     text = httpx.get(endpoint.removesuffix("/v1") + "/metrics", timeout=10).text
@@ -84,9 +96,9 @@ def test_vllm_killed_mid_regeneration_keeps_the_answers_and_the_rerun_asks_only_
         assert r.returncode == 0, r.stderr
         asked = successes(again.endpoint)
         # an uninterrupted run on the same server, into another cache: what the resumed one must equal
-        whole = draftline(*args, "--regenerate-endpoint", again.endpoint, "--output-dir", str(tmp_path / "whole"),
-                          env={**env, "DRAFTLINE_CACHE_DIR": str(tmp_path / "cache2")}, cwd=workspace)
-        assert whole.returncode == 0, whole.stderr
+        whole = in_process(*args, "--regenerate-endpoint", again.endpoint, "--output-dir", str(tmp_path / "whole"),
+                           env={**env, "DRAFTLINE_CACHE_DIR": str(tmp_path / "cache2")})
+        assert whole.exit_code == 0, whole.output
     assert asked == (24 - kept) + 1  # the missing conversations, and prepare's one probe before it opened a run
     resumed = json.loads(r.stdout)["location"]
     one = json.loads((Path(resumed) / "manifest.json").read_text())
@@ -122,8 +134,8 @@ def test_vllm_killed_mid_capture_keeps_the_shards_and_the_rerun_resumes_after_th
     r = draftline(*args, "--output-dir", str(out), env=env, cwd=workspace)
     assert r.returncode == 0, r.stderr
     assert f"after {kept} finished shards" in r.stderr
-    whole = draftline(*args, "--output-dir", str(tmp_path / "whole"), env=env, cwd=workspace)
-    assert whole.returncode == 0, whole.stderr
+    whole = in_process(*args, "--output-dir", str(tmp_path / "whole"), env=env)
+    assert whole.exit_code == 0, whole.output
     one = json.loads((out / "manifest.json").read_text())
     two = json.loads((tmp_path / "whole" / "manifest.json").read_text())
     assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in two["shards"]]
