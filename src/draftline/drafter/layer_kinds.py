@@ -25,7 +25,7 @@ from draftline.drafter.form import EagleForm
 from draftline.errors import ConfigError, ParentMismatch
 
 __all__ = ["KIMI_K2", "KIMI_K25_MLA", "LAYERS", "VERIFIER_ONLY_KEYS", "DrafterLayer", "LlamaLayer", "MlaLayer",
-           "named", "of_layer", "of_parent", "speculator_config"]
+           "for_verifier", "named", "of_layer", "of_parent", "speculator_config"]
 
 SUPPORTED_LAYERS = ("llama", "qwen3")  # the verifier layers speculators' Eagle3DraftModel builds as they are
 LLAMA_LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -190,9 +190,14 @@ class MlaLayer(DrafterLayer):
         source = layer_dict(parent_config) if cls.describes(parent_config) else verifier.to_dict()
         return mla_layer_fields(source, intermediate_size=verifier.intermediate_size)
 
+    @staticmethod
+    def beside(verifier) -> bool:
+        """Whether vLLM serves this kind beside ``verifier`` (a transformers config): it has MLA attention."""
+        return getattr(verifier, "kv_lora_rank", None) is not None
+
     @classmethod
     def check(cls, verifier, parent_config: dict | None, where: str) -> None:
-        if getattr(verifier, "kv_lora_rank", None) is None:
+        if not cls.beside(verifier):
             raise ConfigError(f"--drafter-layer mla: the verifier {where} ({verifier.model_type}) has no MLA attention "
                               "(no kv_lora_rank), and vLLM serves an MLA drafter only beside an MLA verifier: pass "
                               "--drafter-layer llama (or auto)")
@@ -279,6 +284,11 @@ def named(name: str) -> type[DrafterLayer]:
 def of_layer(layer: dict) -> type[DrafterLayer]:
     """The kind of a layer config dict (the layer a run trains, a model's ``transformer_layer_config``)."""
     return MlaLayer if MlaLayer.describes(layer) else LlamaLayer
+
+
+def for_verifier(verifier) -> type[DrafterLayer]:
+    """The kind a drafter without a parent gets: MLA where vLLM serves it beside ``verifier``, else Llama."""
+    return MlaLayer if MlaLayer.beside(verifier) else LlamaLayer
 
 
 def of_parent(config: dict | None) -> type[DrafterLayer] | None:

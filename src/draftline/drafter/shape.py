@@ -78,7 +78,6 @@ def choose_layer(kind: str, verifier, parent_config: dict | None, where: str) ->
     """The one check of which decoder layer a run trains (see :func:`layer_config`); ``mla`` or ``llama``."""
     if kind not in LAYER_CHOICES:
         raise ConfigError(f"--drafter-layer {kind!r}: choose one of {', '.join(LAYER_CHOICES)}")
-    verifier_mla = getattr(verifier, "kv_lora_rank", None) is not None
     found = layer_kinds.of_parent(parent_config)
     parent = found.served.name if found else None
     if parent_config and str(parent_config.get("model_type")) == mla.MLA_MODEL_TYPE and \
@@ -87,7 +86,7 @@ def choose_layer(kind: str, verifier, parent_config: dict | None, where: str) ->
                              "into a DeepSeek MTP model and refuses as an EAGLE-3 drafter: set \"model_type\": "
                              f"\"{mla.SERVED_MODEL_TYPE}\" in its config.json (vLLM reads that as DeepSeek-V3)")
     if kind == "auto":
-        kind = parent or (layer_kinds.MlaLayer if verifier_mla else layer_kinds.LlamaLayer).served.name
+        kind = parent or layer_kinds.for_verifier(verifier).served.name
     chosen = layer_kinds.named(kind)
     if found and found is not chosen:
         raise ParentMismatch(f"--drafter-layer {kind}: the parent is a drafter with {found.served.what}, whose "
