@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.demo_runs import KIMI_RECIPE, finetune_kimi, latest_run
+from benchmarks.layers_served import evaluate_served, paired_by_prompt, served_figures
 from draftline import names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,30 +72,6 @@ def _sglang_parent(run_id: str, ids: list[int], dest: Path) -> Path:
     return dest
 
 
-def _evaluate(target: str, evalset: str, max_new_tokens: int, convention: str | None) -> dict:
-    from draftline.config import EvaluateConfig
-    from draftline.evaluation.stage import run as evaluate
-
-    extra = {"parent_aux_convention": convention} if convention else {}
-    return evaluate(EvaluateConfig(target=target, data=evalset, max_new_tokens=max_new_tokens,
-                                   speed_concurrency="off", backend="vllm", **extra), progress=False).to_json()
-
-
-def _side(client, evaluated: dict, **more) -> dict:
-    m = client.get_run(evaluated["run_id"]).data.metrics
-    return {**more, "evaluation_run": evaluated["run_id"], "served": evaluated["measured_acceptance_length"],
-            "served_low": m.get(names.MEASURED_LOW), "served_high": m.get(names.MEASURED_HIGH),
-            "prompts": evaluated["prompts"]}
-
-
-def _paired(client, a: dict, b: dict) -> dict | None:
-    """``a`` minus ``b``, prompt by prompt."""
-    from draftline.registry.confidence import paired_difference, read_per_prompt
-
-    d = paired_difference(read_per_prompt(client, a["evaluation_run"]), read_per_prompt(client, b["evaluation_run"]))
-    return None if d is None else {"value": d.value, "low": d.low, "high": d.high, "prompts": d.n}
-
-
 def run(steps: int = 100, parent_steps: int = 200, seed: int = 0, max_new_tokens: int = 24) -> dict:
     os.environ.setdefault("DRAFTLINE_TINY_KIMI_DIR", str(ROOT / "work" / "tiny-kimi"))
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlflow.db'}")
@@ -121,22 +98,23 @@ def run(steps: int = 100, parent_steps: int = 200, seed: int = 0, max_new_tokens
     sides: dict[str, dict] = {}
     for name, convention in (("parent read as trained (sglang)", "sglang"), ("parent read literally", "vllm")):
         evalset = shifted["evaluation"] if convention == "sglang" else literal["evaluation"]
-        sides[name] = _side(client, _evaluate(str(parent), evalset, max_new_tokens, convention),
-                            convention=convention, evaluation_set=evalset)
+        evaluated = evaluate_served(str(parent), evalset, max_new_tokens, "off", parent_aux_convention=convention)
+        sides[name] = {"convention": convention, "evaluation_set": evalset, **served_figures(client, evaluated)}
     children = {"translated": ("sglang", shifted), "literal": ("vllm", literal)}
     for name, (convention, data) in children.items():
         run_id = finetune_kimi(data["conversations"], data["evaluation"], steps=steps, seed=seed,
                                side=["--init", str(parent), "--vocab", "rebuild", "--parent-aux-convention",
                                      convention])
         train = client.get_run(run_id).data
-        sides[name] = _side(client, _evaluate(f"runs:/{run_id}", data["evaluation"], max_new_tokens, None),
-                            finetune_run=run_id, convention=convention, data=data["conversations"],
-                            aux_layers=train.params.get(names.VERIFIER_AUX_LAYERS),
-                            val_acceptance_length=train.metrics.get(names.VAL_ACCEPTANCE_LENGTH),
-                            parent_val_acceptance_length=train.metrics.get(names.PARENT_VAL_ACCEPTANCE_LENGTH))
-    paired = {LABEL: _paired(client, sides["translated"], sides["literal"]),
-              "parent: as trained - literally": _paired(client, sides["parent read as trained (sglang)"],
-                                                        sides["parent read literally"])}
+        evaluated = evaluate_served(f"runs:/{run_id}", data["evaluation"], max_new_tokens, "off")
+        sides[name] = {"finetune_run": run_id, "convention": convention, "data": data["conversations"],
+                       "aux_layers": train.params.get(names.VERIFIER_AUX_LAYERS),
+                       "val_acceptance_length": train.metrics.get(names.VAL_ACCEPTANCE_LENGTH),
+                       "parent_val_acceptance_length": train.metrics.get(names.PARENT_VAL_ACCEPTANCE_LENGTH),
+                       **served_figures(client, evaluated)}
+    paired = {LABEL: paired_by_prompt(client, sides["translated"], sides["literal"]),
+              "parent: as trained - literally": paired_by_prompt(client, sides["parent read as trained (sglang)"],
+                                                                 sides["parent read literally"])}
     return {"summary": summarize(sides, paired), "shape": "kimi", "sides": sides, "paired": paired,
             "aux_layers": {"parent_config": ids, "trained_on_as_vllm_counts": later}, "parent_run": parent_run,
             "steps": steps, "parent_steps": parent_steps, "seed": seed, "max_new_tokens": max_new_tokens,

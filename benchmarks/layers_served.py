@@ -26,16 +26,40 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("llama", "mla")
 
 
-def _evaluate(run_id: str, evalset: str, max_new_tokens: int, concurrency: str) -> dict:
+def evaluate_served(target: str, evalset: str, max_new_tokens: int, concurrency: str, **settings) -> dict:
+    """``draftline evaluate`` of ``target`` on vLLM, as it prints it; ``{"not_served": why}`` where vLLM cannot
+    serve it here."""
     from draftline.config import EvaluateConfig
     from draftline.errors import DraftlineError
     from draftline.evaluation.stage import run as evaluate
 
     try:
-        return evaluate(EvaluateConfig(target=f"runs:/{run_id}", data=evalset, max_new_tokens=max_new_tokens,
-                                       speed_concurrency=concurrency, backend="vllm"), progress=False).to_json()
+        return evaluate(EvaluateConfig(target=target, data=evalset, max_new_tokens=max_new_tokens,
+                                       speed_concurrency=concurrency, backend="vllm", **settings),
+                        progress=False).to_json()
     except DraftlineError as e:  # a Llama-layer drafter beside an MLA verifier on a CPU without AMX
         return {"not_served": str(e)}
+
+
+def served_figures(client, evaluated: dict) -> dict:
+    """What vLLM served in an evaluation (:func:`evaluate_served`'s answer): acceptance with its interval, the
+    prompts, the speed-ups."""
+    if "not_served" in evaluated:
+        raise SystemExit(f"vLLM did not serve it: {evaluated['not_served']}")
+    metrics = client.get_run(evaluated["run_id"]).data.metrics
+    return {"evaluation_run": evaluated["run_id"], "served": evaluated["measured_acceptance_length"],
+            "served_low": metrics.get(names.MEASURED_LOW), "served_high": metrics.get(names.MEASURED_HIGH),
+            "prompts": evaluated["prompts"], "speedup": dict(evaluated.get("speedup", {}))}
+
+
+def paired_by_prompt(client, a: dict, b: dict) -> dict | None:
+    """Side ``a`` minus side ``b`` (each with its ``evaluation_run``), prompt by prompt; None without per-prompt
+    evidence on both."""
+    from draftline.registry.confidence import paired_difference, read_per_prompt
+
+    mine, theirs = (read_per_prompt(client, s["evaluation_run"]) for s in (a, b))
+    d = paired_difference(mine, theirs) if mine and theirs else None
+    return None if d is None else {"value": d.value, "low": d.low, "high": d.high, "prompts": d.n}
 
 
 def summarize(sides: dict[str, dict], paired: dict | None, label: str = "mla - llama") -> dict[str, str]:
@@ -63,8 +87,6 @@ def compare(sides: dict[str, list[str]], *, steps: int, seed: int, max_new_token
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{ROOT / 'mlflow.db'}")
     from mlflow import MlflowClient
 
-    from draftline.registry.confidence import paired_difference, read_per_prompt
-
     client = MlflowClient()
     train_name = "team-gsm8k" if shape == "smollm2" else "conversations"
     data, evalset = (f"runs:/{latest_run('prepare', name)}/data" for name in (train_name, "evaluation"))
@@ -73,7 +95,7 @@ def compare(sides: dict[str, list[str]], *, steps: int, seed: int, max_new_token
     for name, flags in sides.items():
         run_id = finetune_kimi(data, evalset, steps=steps, seed=seed, side=flags, recipe=recipe)
         train = client.get_run(run_id).data
-        evaluated = _evaluate(run_id, evalset, max_new_tokens, concurrency)
+        evaluated = evaluate_served(f"runs:/{run_id}", evalset, max_new_tokens, concurrency)
         plan = client.download_artifacts(run_id, "plan.json", tempfile.mkdtemp())
         side = {"finetune_run": run_id, "flags": flags,
                 "trained_params": json.loads(Path(plan).read_text())["trainable"],
@@ -82,21 +104,11 @@ def compare(sides: dict[str, list[str]], *, steps: int, seed: int, max_new_token
         if "not_served" in evaluated:
             side["not_served"] = evaluated["not_served"]
         else:
-            metrics = client.get_run(evaluated["run_id"]).data.metrics
-            side.update(evaluation_run=evaluated["run_id"], served=evaluated["measured_acceptance_length"],
-                        served_low=metrics.get(names.MEASURED_LOW),
-                        served_high=metrics.get(names.MEASURED_HIGH),
-                        prompts=evaluated["prompts"],
-                        speedup={c: v for c, v in evaluated.get("speedup", {}).items()})
+            side.update(served_figures(client, evaluated))
         out[name] = side
-    paired = None
-    first, second = list(out)
-    if all("evaluation_run" in s for s in out.values()):
-        b, a = (read_per_prompt(client, out[k]["evaluation_run"]) for k in (second, first))
-        d = paired_difference(b, a) if a and b else None
-        if d is not None:
-            paired = {"value": d.value, "low": d.low, "high": d.high, "prompts": d.n}
-    return out, paired, data, evalset
+    first, second = out.values()
+    served = all("evaluation_run" in s for s in out.values())
+    return out, paired_by_prompt(client, second, first) if served else None, data, evalset
 
 
 def cpu_has_amx() -> bool | None:
