@@ -142,15 +142,16 @@ def pull(name, stage, alias, version, dest, verifier, cache, if_changed, as_json
     when they were cached, unchanged since by their size, modification and change times) are cloned or copied
     from it, so a restarted pod or a version sharing files downloads nothing. DEST never shares a file with
     the cache or with another DEST. DEST receives the complete verified directory or is left as it was. A
-    drafter whose config.json vLLM's two model runners would read different aux layers from is refused (as by
-    --verify-only): re-export it."""
-    from draftline.drafter.aux_ids import require_served_ids  # light: json and the errors only
+    drafter vLLM would serve other than as it was trained is refused (as by --verify-only): aux layers its two
+    model runners would read differently, or fc_norm (EAGLE 3.1) in its config that its tensors do not bear out;
+    re-export it."""
+    from draftline.drafter.servable import require_servable  # light: json, headers and the errors only
 
     if verify_dir:
         from draftline.registry.transfer import verify_directory
 
         out = verify_directory(Path(verify_dir))
-        require_served_ids(Path(verify_dir))
+        require_servable(Path(verify_dir))
         click.echo(json.dumps(out, indent=2) if as_json else
                    f"{out['path']}: {out['files']} files, {out['bytes'] / (1 << 20):.1f} MiB, every sha256 as "
                    "checksums.json names it")
@@ -164,7 +165,7 @@ def pull(name, stage, alias, version, dest, verifier, cache, if_changed, as_json
 
     with _stdout_to_stderr():
         out = versions.pull(_client(), name, stage=stage, alias=alias, version=version, dest=Path(dest),
-                            verifier=verifier, use_cache=cache, check=require_served_ids, if_changed=if_changed)
+                            verifier=verifier, use_cache=cache, check=require_servable, if_changed=if_changed)
     if out.get("unchanged"):
         click.echo(json.dumps(out, indent=2) if as_json else
                    f"{out['path']} already holds models:/{name}/{out['version']}: nothing downloaded")

@@ -82,7 +82,7 @@ def _registry_follow(name: str, stage: str | None, alias: str | None, version: s
     a switch on the version (a failure to record is said, never fatal). A version this host's vLLM (``install``)
     or verifier cannot serve is refused before anything is downloaded."""
     from draftline import tracking
-    from draftline.drafter.aux_ids import require_served_ids
+    from draftline.drafter.servable import require_servable
     from draftline.errors import DraftlineError
     from draftline.kinds import layer_kind
     from draftline.registry import versions
@@ -110,7 +110,7 @@ def _registry_follow(name: str, stage: str | None, alias: str | None, version: s
                                   say)
         with _stdout_to_stderr():
             out = versions.pull(client, name, stage=None, alias=None, version=number, dest=dest / f"v{number}",
-                                check=require_served_ids)
+                                check=require_servable)
         return deploy.Version(number=str(out["version"]), directory=Path(out["path"]),
                               spec=out["speculative_config"], verifier=verifier or out["verifier"],
                               trust_remote_code=tags.get(names.VERIFIER_TRUST_REMOTE_CODE) == "True",

@@ -91,17 +91,19 @@ def of_checkpoint(config: dict[str, Any] | None, keys: Iterable[str], aux_layers
     return stated
 
 
-def check_tensors(name: str, form: EagleForm, keys: Iterable[str], aux_layers: int) -> None:
+def check_tensors(name: str, form: EagleForm, keys: Iterable[str], aux_layers: int, fix: str | None = None) -> None:
     """A drafter's config and its tensors agree on ``fc_norm``: one norm per aux layer where it says so, none
-    where it does not."""
+    where it does not. ``fix`` replaces the fix each refusal names (a pulled directory's is to export it again)."""
     found = fc_norms(keys)
     if form.fc_norm and found != aux_layers:
+        fix = fix or "pass the drafter's whole checkpoint"
         raise CheckpointError(f"{name}: its config says fc_norm (EAGLE 3.1) but it holds {found} fc_norm.*.weight "
                               f"tensors for {aux_layers} aux layers: a drafter with its norms missing is served "
-                              "with norms of ones; pass the drafter's whole checkpoint")
+                              f"with norms of ones; {fix}")
     if not form.fc_norm and found:
+        fix = fix or 'set "fc_norm": true in its config.json (EAGLE 3.1)'
         raise CheckpointError(f"{name}: it holds {found} fc_norm.*.weight tensors but its config does not say "
-                              "fc_norm: true; set \"fc_norm\": true in its config.json (EAGLE 3.1)")
+                              f"fc_norm: true; {fix}")
 
 
 def choose(*, fc_norm: bool | None, norm_output: bool | None, parent: str | None,

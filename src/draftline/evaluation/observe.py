@@ -9,8 +9,8 @@ one served name are read one by one and summed. The served acceptance length is 
 
 The version is found from the directory the server loads (the pulled drafter: the digest of its
 ``checksums.json`` is the version's ``export.sha256``, and where one export was registered as several versions,
-the ``v<N>`` folder ``draftline serve`` pulled it into says which; a directory whose aux layers vLLM's two runners would read
-differently is refused), or named (``models:/NAME/VERSION``). Each window is a step
+the ``v<N>`` folder ``draftline serve`` pulled it into says which; a directory vLLM would serve other than as it
+was trained is refused, :mod:`draftline.drafter.servable`), or named (``models:/NAME/VERSION``). Each window is a step
 of one ``observe`` run, logged on the version's LoggedModel as ``served/*``, and compared with the version's
 measured evaluation on the Production policy's set: inside or above its interval is "as evaluated"; below its
 lower bound, "below" (the command then exits 1, for an alert). Traffic is not the evaluation set, so this says
@@ -28,7 +28,7 @@ import mlflow
 
 from draftline import names, tracking
 from draftline.data.regenerate import served_models
-from draftline.drafter.aux_ids import require_served_ids
+from draftline.drafter.servable import require_servable
 from draftline.errors import DataError, DraftlineError, RegistryError
 from draftline.registry.evidence import evaluations_of
 from draftline.registry.policies import policy_set
@@ -104,7 +104,7 @@ def identify(client, *, drafter_dir: str | None, version: str | None):
     except (OSError, ValueError) as e:
         raise RegistryError(f"{path} is unreadable ({type(e).__name__}): pass the directory `draftline pull` "
                             "wrote, or --version models:/NAME/VERSION") from None
-    require_served_ids(drafter_dir)  # a GPU server would capture other layers than the version was measured on
+    require_servable(drafter_dir)  # vLLM would serve it other than as it was measured
     found = client.search_model_versions(f"tags.`export.sha256` = '{digest}'")
     if len(found) > 1:  # one export registered twice: `draftline serve` pulls version N into DEST/vN
         named = [mv for mv in found if Path(drafter_dir).resolve().name == f"v{mv.version}"]

@@ -192,7 +192,7 @@ def pull(client, name: str, *, stage: str | None, alias: str | None, version: st
     local content-addressed cache holds are cloned or copied from it; ``use_cache`` None keeps what the pull
     downloads in the cache where that pays (:meth:`BlobCache.fills`), True always, False skips the cache.
     ``check`` refuses the verified directory before it replaces ``dest`` (the CLI passes
-    :func:`draftline.drafter.aux_ids.require_served_ids`, which this layer may not import).
+    :func:`draftline.drafter.servable.require_servable`, which this layer may not import).
 
     A pull asks the tracking server for as little as it can (a fleet restarting together pays per request):
     the version (a stage: the newest version in it, which carries its alias when the two agree), the

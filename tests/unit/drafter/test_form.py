@@ -110,3 +110,31 @@ def test_training_moves_the_norms_and_31_feeds_the_next_step_the_post_norm_state
     assert not torch.isclose(la, lb)
     lb.backward()
     assert all(norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0 for norm in b.fc_norm)
+
+
+def test_pull_refuses_a_31_directory_whose_norms_vllm_would_leave_at_ones(tiny, tmp_path):
+    """vLLM loads ``fc_norm: true`` without its ``fc_norm.*`` tensors in silence; ``pull`` (here
+    ``--verify-only``, the same check) reads the safetensors headers without torch and refuses it."""
+    from click.testing import CliRunner
+    from safetensors.torch import save_file
+
+    from draftline.cli import cli
+    from draftline.drafter.servable import require_servable, tensor_names
+    from draftline.export.upload import CHECKSUMS, sha256_manifest
+
+    out = save_served(_drafter(tiny["verifier"], V31), tmp_path / "export", str(tiny["verifier"]))
+    (out / CHECKSUMS).write_text(json.dumps(sha256_manifest(out)))
+    state = load_file(str(out / "model.safetensors"))
+    assert sorted(tensor_names(out)) == sorted(state) and set(NORMS) <= set(state)
+    require_servable(out)  # whole: served as trained
+    assert CliRunner().invoke(cli, ["pull", "--verify-only", str(out)]).exit_code == 0
+
+    del state[NORMS[2]]
+    save_file(state, str(out / "model.safetensors"))
+    (out / CHECKSUMS).write_text(json.dumps(sha256_manifest(out)))  # every file as its manifest says: only the
+    r = CliRunner().invoke(cli, ["pull", "--verify-only", str(out)])  # form is wrong
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    line = r.output.strip().splitlines()[-1]
+    assert line.startswith(f"error: {out}: its config says fc_norm (EAGLE 3.1) but it holds 2 fc_norm.*.weight "
+                           "tensors for 3 aux layers"), line
+    assert line.endswith("re-export it with this draftline (draftline export --run <its finetune run>)"), line
