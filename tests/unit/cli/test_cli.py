@@ -54,7 +54,7 @@ def test_finetune_help_lists_each_setting_once_under_its_group(run):
 def test_unknown_init_lists_the_catalog(run, workspace, prepared):
     r = run("finetune", "--data", str(prepared), "--init", "no-such-parent")
     assert r.exit_code == 1
-    assert "init 'no-such-parent' is not 'random', a catalog name (aq-medai, kimi-k25-mla, kimi-k26-mla31, tiny, tiny-kimi, tiny-kimi-mla, tiny-kimi-mla31)" in r.output
+    assert "init 'no-such-parent' is not 'random', a catalog name (aq-medai, kimi-k25-mla, kimi-k26-mla31, kimi-k26-nvidia, tiny, tiny-kimi, tiny-kimi-mla, tiny-kimi-mla31)" in r.output
     assert "Traceback" not in r.output
 
 

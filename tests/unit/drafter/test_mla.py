@@ -210,3 +210,53 @@ def test_mla_for_a_llama_verifiers_data_is_one_line_exit_2_and_no_run(workspace,
     assert "--drafter-layer" in errors[0] and "Traceback" not in r.output
     client = MlflowClient()
     assert not client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def modelopt_layout(out, aux_sglang: list[int], *, lm_head: bool = True):
+    """A served MLA drafter rewritten as NVIDIA Model-Optimizer exports one for Kimi (``eagle_decoder_type``
+    kimik2; ``hf_spec_export.py``): ``layers.0.*`` keys, the whole vocabulary without ``d2t``/``t2d`` or
+    ``draft_vocab_size``, the ids under ``eagle_config`` only, in ModelOpt's count (the output of layer i), and
+    no convention, form or aux-count fields."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((out / "config.json").read_text())
+    for key in ("eagle_aux_hidden_state_layer_ids", "num_aux_hidden_states", "aux_layer_convention",
+                "draft_vocab_size", "fc_norm", "norm_output", "norm_before_residual"):
+        config.pop(key, None)
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_sglang, "use_aux_hidden_state": True,
+                              "use_last_layernorm": True, "next_layer_regular": True}
+    (out / "config.json").write_text(json.dumps(config))
+    weights = {k.replace("midlayer.", "layers.0.", 1): v for k, v in load_file(out / "model.safetensors").items()
+               if k not in ("d2t", "t2d") and (lm_head or k != "lm_head.weight")}
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+def test_nvidias_kimi_k26_catalog_parent_loads_strictly_with_its_ids_read_as_modelopt_meant(
+        deepseek_verifier, tmp_path, monkeypatch):
+    """init=kimi-k26-nvidia offline, from a hub cache: ModelOpt's layout (``layers.0.*``, whole vocabulary, ids
+    nested) loads strictly, and its ids, which name layer outputs, are captured by vLLM one layer up."""
+    from draftline.drafter.parents import aux_reads, load_catalog, resolve_init
+    from tests.unit.drafter.test_parents import hub_snapshot
+
+    torch.manual_seed(4)
+    full = build_draft_model(deepseek_verifier, d2t=torch.zeros(VOCAB, dtype=torch.long),
+                             t2d=torch.ones(VOCAB, dtype=torch.bool), aux_layer_ids=[1, 3, 4],
+                             draft_vocab_size=VOCAB, dtype=torch.float32,
+                             layer=layer_config(deepseek_verifier, None, "mla")).to(torch.bfloat16)
+    out = modelopt_layout(save_served(full, tmp_path / "made", "org/verifier"), [0, 2, 3])
+    entry = load_catalog()["kimi-k26-nvidia"]
+    assert (entry.source, entry.layout, entry.aux_convention) == ("nvidia/Kimi-K2.6-Eagle3", "speculators", "sglang")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DRAFTLINE_PARENTS_DIR", raising=False)
+    hub_snapshot(tmp_path / "hub", entry.source, {f.name: f.read_bytes() for f in out.iterdir()}, ref=entry.revision)
+    parent = resolve_init("kimi-k26-nvidia")
+    files = find_checkpoint(parent.path)
+    assert aux_reads(parent, files.config, "auto", 6) == ("sglang", [1, 3, 4])  # outputs of 0, 2, 3: vLLM's 1, 3, 4
+    assert layer_kind(layer_config(deepseek_verifier, files.config)) == "mla"
+    loaded = load_drafter(deepseek_verifier, parent.path, aux_layer_ids=[0, 2, 3], dtype=torch.bfloat16)
+    assert is_mla_drafter(loaded) and loaded.draft_vocab_size == VOCAB and not loaded.config.fc_norm
+    assert torch.equal(loaded.layers[0].self_attn.q_a_proj.weight, full.layers[0].self_attn.q_a_proj.weight)
+    assert torch.equal(loaded.lm_head.weight, full.lm_head.weight)

@@ -229,7 +229,7 @@ def test_a_repo_without_safetensors_is_refused(hub, tmp_path):
 
 def test_unknown_parent_and_bad_catalog(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ParentNotFound, match="catalog name \\(aq-medai, kimi-k25-mla, kimi-k26-mla31, tiny, tiny-kimi, tiny-kimi-mla, tiny-kimi-mla31\\)"):
+    with pytest.raises(ParentNotFound, match="catalog name \\(aq-medai, kimi-k25-mla, kimi-k26-mla31, kimi-k26-nvidia, tiny, tiny-kimi, tiny-kimi-mla, tiny-kimi-mla31\\)"):
         resolve_init("acme/not-cached")
     bad = tmp_path / "parents.yaml"
     bad.write_text("parents:\n  x: {source: a/b, layuot: midlayer}\n")
