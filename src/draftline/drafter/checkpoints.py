@@ -49,6 +49,7 @@ class LoadReport:
     loaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     remapped_lm_head: bool = False
+    lm_head_from_verifier: bool = False  # the parent has none: it drafts through the verifier's (see head_shared)
 
 
 def find_checkpoint(path: Path | str, *, allow_pickle: bool = False) -> CheckpointFiles:
@@ -146,9 +147,20 @@ def read_tensors(files: CheckpointFiles, keys: set[str]) -> dict[str, torch.Tens
     return {k: get() for k, get, _, _ in _iter_tensors(files) if k in keys}
 
 
+def head_shared(header: dict[str, tuple[tuple[int, ...], str]]) -> bool:
+    """Whether a drafter ships no ``lm_head`` and no draft vocabulary: vLLM then drafts the whole vocabulary
+    through the verifier's own head (``process_eagle_weight``), as a ModelOpt export read without its head does.
+    A drafter built for the whole vocabulary starts from those very rows (speculators' ``load_verifier_weights``),
+    so such a parent loads as the drafter vLLM serves from it."""
+    return not {"lm_head.weight", "d2t", "t2d"} & set(header)
+
+
 def full_vocabulary(header: dict[str, tuple[tuple[int, ...], str]], verifier_vocab: int) -> bool:
     """Whether a drafter's draft vocabulary is the verifier's whole vocabulary with no ``d2t``/``t2d`` shipped
-    (lightseekorg/kimi-k2.5-eagle3-mla: vLLM then maps draft row *i* to token *i*)."""
+    (lightseekorg/kimi-k2.5-eagle3-mla: vLLM then maps draft row *i* to token *i*), its own ``lm_head`` or the
+    verifier's (:func:`head_shared`)."""
+    if head_shared(header):
+        return True
     rows = header.get("lm_head.weight", ((0,), ""))[0][0]
     return "d2t" not in header and "t2d" not in header and rows == verifier_vocab
 
@@ -208,6 +220,8 @@ def match_keys(header: dict[str, tuple[tuple[int, ...], str]], shapes: dict[str,
     required = {k for k in shapes if k not in VERIFIER_OWNED}
     if rebuild or full_vocabulary(header, shapes.get("t2d", (0,))[0]):  # the built vocabulary stays
         required -= {"d2t", "t2d"}
+    if head_shared(header):  # the head as built: the verifier's rows
+        required -= {"lm_head.weight"}
     for missing in sorted(required - set(mapped.values())):
         if missing not in {to_model_key(k, layout) for k in header}:
             problems.append(f"{missing}: missing from the parent")
@@ -238,6 +252,7 @@ def load_into_model(model, files: CheckpointFiles, *, lm_head_remap=None) -> Loa
     report = LoadReport(layout=layout, key_remap=key_remap(layout))
     mapped, report.skipped = match_keys(header, model_shapes(model), root=files.root,
                                         rebuild=lm_head_remap is not None)
+    report.lm_head_from_verifier = head_shared(header)
 
     with torch.no_grad():
         for key, get, _, _ in _iter_tensors(files):

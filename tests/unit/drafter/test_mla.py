@@ -232,10 +232,13 @@ def modelopt_layout(out, aux_sglang: list[int], *, lm_head: bool = True):
     return out
 
 
+@pytest.mark.parametrize("head", [True, False], ids=["own-head", "verifier-head"])
 def test_nvidias_kimi_k26_catalog_parent_loads_strictly_with_its_ids_read_as_modelopt_meant(
-        deepseek_verifier, tmp_path, monkeypatch):
+        deepseek_verifier, tmp_path, monkeypatch, head):
     """init=kimi-k26-nvidia offline, from a hub cache: ModelOpt's layout (``layers.0.*``, whole vocabulary, ids
-    nested) loads strictly, and its ids, which name layer outputs, are captured by vLLM one layer up."""
+    nested) loads strictly, and its ids, which name layer outputs, are captured by vLLM one layer up. Without an
+    ``lm_head`` (a copy that ships none drafts through the verifier's in vLLM) the drafter starts from the
+    verifier's head."""
     from draftline.drafter.parents import aux_reads, load_catalog, resolve_init
     from tests.unit.drafter.test_parents import hub_snapshot
 
@@ -244,7 +247,9 @@ def test_nvidias_kimi_k26_catalog_parent_loads_strictly_with_its_ids_read_as_mod
                              t2d=torch.ones(VOCAB, dtype=torch.bool), aux_layer_ids=[1, 3, 4],
                              draft_vocab_size=VOCAB, dtype=torch.float32,
                              layer=layer_config(deepseek_verifier, None, "mla")).to(torch.bfloat16)
-    out = modelopt_layout(save_served(full, tmp_path / "made", "org/verifier"), [0, 2, 3])
+    with torch.no_grad():
+        full.lm_head.weight.add_(0.5)  # trained: not the verifier's head it was built from
+    out = modelopt_layout(save_served(full, tmp_path / "made", "org/verifier"), [0, 2, 3], lm_head=head)
     entry = load_catalog()["kimi-k26-nvidia"]
     assert (entry.source, entry.layout, entry.aux_convention) == ("nvidia/Kimi-K2.6-Eagle3", "speculators", "sglang")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -259,4 +264,11 @@ def test_nvidias_kimi_k26_catalog_parent_loads_strictly_with_its_ids_read_as_mod
     loaded = load_drafter(deepseek_verifier, parent.path, aux_layer_ids=[0, 2, 3], dtype=torch.bfloat16)
     assert is_mla_drafter(loaded) and loaded.draft_vocab_size == VOCAB and not loaded.config.fc_norm
     assert torch.equal(loaded.layers[0].self_attn.q_a_proj.weight, full.layers[0].self_attn.q_a_proj.weight)
-    assert torch.equal(loaded.lm_head.weight, full.lm_head.weight)
+    if head:
+        assert torch.equal(loaded.lm_head.weight, full.lm_head.weight)
+    else:
+        from safetensors.torch import load_file
+
+        verifier = load_file(f"{deepseek_verifier}/model.safetensors")["lm_head.weight"]
+        assert torch.equal(loaded.lm_head.weight, verifier.to(torch.bfloat16))
+        assert not torch.equal(loaded.lm_head.weight, full.lm_head.weight)
