@@ -21,6 +21,7 @@ from draftline import names
 from draftline.cli import cli
 
 from ..conftest import ROOT
+from ..kit.vllm_readers import vllm_reads
 
 pytestmark = pytest.mark.integration
 GSM8K_TRAIN = ROOT / "configs" / "demo" / "gsm8k_train_prompts.jsonl"
@@ -160,6 +161,7 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     from draftline.data.capture_vllm import loopback_capture_server
     from draftline.drafter.shape import default_aux_layers
     from draftline.registry.versions import model_id_of
+    from draftline.serving.checks import captured_aux_layers
     from draftline.serving.client import read_counters
     from draftline.serving.engine import ServeSpec, VllmServer, extra_vllm_args
     from draftline.serving.hf_model import allow_custom_code
@@ -243,6 +245,8 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     ex = invoke("export", "--run", ft["run_id"], "--registered-model", "kimi-drafter")
     mv = client.get_model_version("kimi-drafter", ex["version"])
     assert mv.tags[names.EXPORT_VLLM_CHECK].startswith("passed") and "bfloat16" in mv.tags[names.EXPORT_VLLM_CHECK]
+    trained = json.loads(fp[names.VERIFIER_AUX_LAYERS])  # vLLM's log says it fed the drafter the trained layers
+    assert mv.tags[names.EXPORT_VLLM_CHECK].endswith(f"vLLM captured layers {trained}, as trained"), mv.tags
     assert mv.tags[names.VERIFIER_NAME_OR_PATH] == KIMI_VERIFIER_ID and mv.tags[names.DRAFTER_LAYER] == "mla"
     assert mv.tags[names.DRAFTER_EAGLE] == "3.1"
     assert mv.tags[names.EVAL_RECOMMENDED_K] == str(fastest)  # what vLLM is told to draft
@@ -273,6 +277,10 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
     assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "kimi_k2"
     assert config["draft_vocab_size"] == 256
     assert (config["fc_norm"], config["norm_output"]) == (True, True)  # served as 3.1: vLLM loads its fc_norm.*
+    # both of vLLM's runners read the trained layers from the pulled directory: V1 served it above (its log, in
+    # export.vllm_check); V2, which vLLM refuses on a CPU ("Model Runner V2 requires Triton"), by its own reader
+    read = vllm_reads(vllm_python, {"pulled": tmp_path / "srv"})["pulled"]
+    assert (read["v1"], read["v2"], read["num_aux_hidden_states"]) == (trained, trained, len(trained)), read
     card = (tmp_path / "srv" / "README.md").read_text()  # the model card says what it buys, as evaluate measured
     assert "## Measured by vLLM beside the verifier" in card and f"x{value:.2f} [{low:.2f}, {high:.2f}] at " \
         "concurrency 1" in card, card
@@ -286,6 +294,7 @@ def test_the_kimi_chain_on_real_vllm(workspace, kimi, tmp_path, monkeypatch, vll
             "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert read_counters(served.endpoint, "drafted", {})["num_drafts"] > 0
+        assert captured_aux_layers(served.log_text()) == (trained, "config")  # V1, serving the pulled directory
         # what the fleet sees: observe reads this server's counters over a window of traffic and records them
         # on the version it serves, found from the pulled directory
         traffic = threading.Thread(target=lambda: [httpx.post(served.endpoint + "/completions", timeout=120, json={

@@ -65,6 +65,7 @@ def test_a_verifier_with_an_fp8_quantization_config_exports_a_drafter_vllm_serve
     # the verifier's weights are not FP8 (the CPU has no FP8 kernels): vLLM serves the same weights unquantized
     found = check_serves(drafter, tiny["verifier"], k=3, python=vllm_python)
     assert found["drafts"] > 0
+    assert (found["aux_layers"], found["aux_from"]) == (AUX, "config")  # vLLM's own log: the drafter's layers
 
 
 def test_a_drafter_whose_layer_inherits_the_quantization_is_refused_with_vllms_reason(tiny, tmp_path, vllm_python):

@@ -4,12 +4,14 @@ layer and drafts, and loaded and drafted with by real vLLM beside the verifier."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
 from draftline.console import say
+from draftline.drafter.aux_ids import aux_ids_by_runner
 from draftline.drafter.loading import load_drafter
 from draftline.drafter.mla import MLA_FIELDS
 from draftline.drafter.model import pack
@@ -96,4 +98,18 @@ def check_in_vllm(mode: str, out: Path, verifier_dir: str, k: int, *, mla_drafte
                               "registered") from None
     say(f"vLLM served the export: {found['drafts']} drafts in {found['seconds']} s")
     return (f"passed: {found['drafts']} drafts, acceptance length {found['acceptance_length']} on probe prompts "
-            f"({found['dtype']})")
+            f"({found['dtype']}); {layers_as_trained(out, found)}")
+
+
+def layers_as_trained(out: Path, found: dict) -> str:
+    """The layers vLLM captured, said as its log said them, after checking they are the ones the export names
+    (the layers the drafter was trained on); a drafter fed other layers is refused."""
+    trained = list(aux_ids_by_runner(json.loads((out / "config.json").read_text()))["v1"] or ())
+    captured, whence = found["aux_layers"], found["aux_from"]
+    if whence == "unknown":
+        return "vLLM's log (not at INFO level) did not say which layers it captured"
+    if whence == "default" or captured != trained:
+        said = f"layers {captured}" if captured else "the verifier's default layers"
+        raise CheckpointError(f"export validation failed: vLLM captured {said} for this drafter ({whence}), not "
+                              f"the layers {trained} it was trained on; nothing was registered")
+    return f"vLLM captured layers {captured}, as trained"

@@ -4,8 +4,6 @@ alike, and `pull` and `observe` refuse a directory whose ids one runner would re
 
 import json
 import os
-import subprocess
-import textwrap
 
 import mlflow
 import pytest
@@ -23,6 +21,7 @@ from draftline.export.midlayer import write_midlayer
 from draftline.export.upload import CHECKSUMS, sha256_manifest
 from draftline.registry.blobcache import BlobCache
 from draftline.registry.transfer import fetch_directory
+from tests.kit.vllm_readers import vllm_reads
 
 AUX = [1, 2, 4, 5]  # four, not EAGLE-3's usual three: vLLM's fc width is then read from num_aux_hidden_states
 VOCAB, DRAFT = 1024, 256
@@ -102,39 +101,14 @@ def test_the_readers_follow_vllms_branches():
 
 
 def test_vllms_own_readers_read_every_export_alike(exports, vllm_python, tmp_path):
-    """vLLM 0.32's own functions, from its venv, on each exported directory loaded as vLLM loads a draft model
-    (``get_config``, then ``EAGLEConfig`` around a flat config as ``SpeculativeConfig`` does): V2's
-    ``get_eagle3_aux_layers_from_config`` and V1's ``GPUModelRunner._get_eagle3_aux_layers_from_config`` (a method
-    that reads only ``self.speculative_config``, called on a stand-in). Both import on a CPU build. A nested-only
-    config beside them shows the check is not vacuous: V2 reads nothing from it."""
+    """vLLM 0.32's own readers (:mod:`tests.kit.vllm_readers`: V2's, the GPU default, and V1's, the CPU's) on each
+    exported directory. A nested-only config beside them shows the check is not vacuous: V2 reads nothing from
+    it."""
     old = tmp_path / "nested-only"
     old.mkdir()
     (old / "config.json").write_text(json.dumps(nested_only(_config(exports["mla"]))))
     dirs = {**{k: str(v) for k, v in exports.items()}, "nested-only": str(old)}
-    script = textwrap.dedent("""
-        import json, sys
-        from types import SimpleNamespace
-        from vllm.transformers_utils.config import get_config
-        from vllm.transformers_utils.configs.eagle import EAGLEConfig
-        from vllm.transformers_utils.configs.speculators import SpeculatorsConfig
-        from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-        out = {}
-        for name, d in json.loads(sys.argv[1]).items():
-            hf = get_config(d, trust_remote_code=False)
-            if not isinstance(hf, (EAGLEConfig, SpeculatorsConfig)):
-                hf = EAGLEConfig(hf, method="eagle3", model_type="eagle")
-            spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf))
-            v1 = GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec))
-            out[name] = {"v1": v1, "v2": get_eagle3_aux_layers_from_config(spec),
-                         "num_aux_hidden_states": getattr(hf, "num_aux_hidden_states", None)}
-        print(json.dumps(out))
-    """)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
-    done = subprocess.run([str(vllm_python), "-c", script, json.dumps(dirs)], capture_output=True, text=True,
-                          timeout=180, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    read = json.loads(done.stdout.strip().splitlines()[-1])
+    read = vllm_reads(vllm_python, dirs)
     for kind in exports:
         assert read[kind] == {"v1": AUX, "v2": AUX, "num_aux_hidden_states": len(AUX)}, (kind, read)
     assert read["nested-only"] == {"v1": AUX, "v2": None, "num_aux_hidden_states": None}

@@ -82,3 +82,33 @@ def test_the_pulled_serve_line_trusts_the_code_only_where_the_data_was_prepared_
     plain, spec = vllm_command(Path("/srv/d"), "org/llama", 3)
     assert trusted.startswith("vllm serve moonshotai/Kimi-K2.5 --trust-remote-code --speculative-config ")
     assert "--trust-remote-code" not in plain and spec["num_speculative_tokens"] == 3
+
+
+def test_the_layers_vllm_captured_are_read_from_its_log_and_an_export_fed_others_is_refused(tmp_path):
+    """The lines vLLM 0.32 writes (the V1 runner's, as a CPU server logged it; Model Runner V2's two, from
+    ``eagle3_utils.py``); the V1 runner says nothing when it falls back to the verifier's default layers."""
+    from draftline.drafter.aux_ids import served_aux_fields
+    from draftline.errors import CheckpointError
+    from draftline.export.validate import layers_as_trained
+    from draftline.serving.checks import captured_aux_layers
+
+    v1 = ("(Worker pid=20497) INFO 12-07 21:37:09 [gpu_model_runner.py:5243] Using auxiliary layers from "
+          "speculative config: (2, 4, 5)")
+    assert captured_aux_layers(f"INFO start\n{v1}\n") == ([2, 4, 5], "config")
+    assert captured_aux_layers("INFO x [eagle3_utils.py:27] Using Eagle3 auxiliary layers from config: [2, 30, 58]") \
+        == ([2, 30, 58], "config")
+    assert captured_aux_layers("INFO x Using Eagle3 auxiliary layers from model: (2, 30, 58)") == ([2, 30, 58],
+                                                                                                   "default")
+    assert captured_aux_layers("(Worker pid=1) INFO 12-07 [gpu_model_runner.py] Loading weights") == (None, "default")
+    assert captured_aux_layers("WARNING only warnings") == (None, "unknown")
+
+    (tmp_path / "config.json").write_text(json.dumps(served_aux_fields([2, 4, 5])))
+    assert layers_as_trained(tmp_path, {"aux_layers": [2, 4, 5], "aux_from": "config"}) == \
+        "vLLM captured layers [2, 4, 5], as trained"
+    assert "did not say" in layers_as_trained(tmp_path, {"aux_layers": None, "aux_from": "unknown"})
+    for found, said in (({"aux_layers": [2, 3, 5], "aux_from": "config"}, "layers [2, 3, 5] for this drafter (config)"),
+                        ({"aux_layers": None, "aux_from": "default"}, "the verifier's default layers")):
+        with pytest.raises(CheckpointError, match=r"vLLM captured .*not the layers \[2, 4, 5\] it was trained on; "
+                                                  "nothing was registered") as e:
+            layers_as_trained(tmp_path, found)
+        assert said in str(e.value)
