@@ -17,6 +17,7 @@ PROBE_PROMPTS = ("Hello! Who are you?", "Write one sentence about the sea.", "Wh
 # vLLM 0.32's INFO line for the layers an EAGLE-3 drafter is fed: the V1 runner's (gpu_model_runner.py: "from
 # speculative config", and nothing when it falls back to the verifier's defaults) and Model Runner V2's
 # (eagle3_utils.py: "from config", or "from model" for the defaults)
+_INFO = re.compile(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d ")  # vLLM's own INFO lines: "INFO 12-07 21:37:09 [file.py:5243]"
 _AUX_LINE = re.compile(r"Using (?:Eagle3 )?auxiliary layers from (speculative config|config|model): [(\[]([\d,\s]*)[)\]]")
 
 
@@ -29,7 +30,7 @@ def captured_aux_layers(log: str) -> tuple[list[int] | None, str]:
     if found:
         whence, ids = found[-1]
         return [int(i) for i in ids.replace(",", " ").split()], "default" if whence == "model" else "config"
-    return None, "default" if " INFO " in log else "unknown"
+    return None, "default" if _INFO.search(log) else "unknown"
 
 
 def check_serves(drafter_dir: Path | str, verifier_dir: Path | str, *, k: int = 3, max_new_tokens: int = 24,

@@ -94,13 +94,15 @@ def test_the_layers_vllm_captured_are_read_from_its_log_and_an_export_fed_others
 
     v1 = ("(Worker pid=20497) INFO 12-07 21:37:09 [gpu_model_runner.py:5243] Using auxiliary layers from "
           "speculative config: (2, 4, 5)")
-    assert captured_aux_layers(f"INFO start\n{v1}\n") == ([2, 4, 5], "config")
+    assert captured_aux_layers(f"INFO:     Started server\n{v1}\n") == ([2, 4, 5], "config")
     assert captured_aux_layers("INFO x [eagle3_utils.py:27] Using Eagle3 auxiliary layers from config: [2, 30, 58]") \
         == ([2, 30, 58], "config")
     assert captured_aux_layers("INFO x Using Eagle3 auxiliary layers from model: (2, 30, 58)") == ([2, 30, 58],
                                                                                                    "default")
-    assert captured_aux_layers("(Worker pid=1) INFO 12-07 [gpu_model_runner.py] Loading weights") == (None, "default")
-    assert captured_aux_layers("WARNING only warnings") == (None, "unknown")
+    assert captured_aux_layers("(Worker pid=1) INFO 12-07 21:37:02 [default_loader.py:291] Loading weights took "
+                               "0.05 seconds") == (None, "default")  # V1's silent fallback: INFO, no line
+    assert captured_aux_layers("WARNING 12-07 21:37:02 [x.py:1] only warnings") == (None, "unknown")
+    assert captured_aux_layers("INFO:     Uvicorn running on http://127.0.0.1:8000") == (None, "unknown")  # not vLLM
 
     (tmp_path / "config.json").write_text(json.dumps(served_aux_fields([2, 4, 5])))
     assert layers_as_trained(tmp_path, {"aux_layers": [2, 4, 5], "aux_from": "config"}) == \
