@@ -19,20 +19,12 @@ from pathlib import Path
 
 from draftline.drafter.aux_ids import FIX, aux_ids_by_runner, require_served_ids
 from draftline.drafter.form import EagleForm, check_tensors
-from draftline.registry.remote_header import parse_safetensors_header
+from draftline.safetensors_header import file_header
 
 
 def tensor_names(directory: Path) -> list[str]:
     """Every tensor name in the directory's ``*.safetensors`` files, from their headers."""
-    names: list[str] = []
-    for path in sorted(directory.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            def read(length: int, offset: int, f=f) -> bytes:
-                f.seek(offset)
-                return f.read(length)
-
-            names.extend(parse_safetensors_header(read, str(path)))
-    return names
+    return [name for path in sorted(directory.glob("*.safetensors")) for name in file_header(path)]
 
 
 def require_servable(directory: str | Path) -> None:

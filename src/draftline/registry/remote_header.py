@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import struct
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
@@ -22,6 +20,7 @@ from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
 from mlflow.utils.rest_utils import augmented_raise_for_status, http_request
 
 from draftline.errors import CheckpointError
+from draftline.safetensors_header import parse_safetensors_header
 
 
 class ArtifactDir:
@@ -81,22 +80,3 @@ class ArtifactDir:
         """``{key: (shape, dtype)}`` of a safetensors file, from its first 8 + N bytes."""
         return parse_safetensors_header(lambda length, offset: self.read(name, length, offset), f"{self.uri}/{name}")
 
-
-def parse_safetensors_header(read: Callable[[int, int], bytes], where: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{key: (shape, dtype)}`` from a safetensors file's header, as its format lays it out: 8 bytes of
-    little-endian length, then that many bytes of JSON. ``read(length, offset)`` returns the file's bytes (a range
-    request, or a local read). safetensors' own Python reader imports numpy or torch even to list keys, which the
-    light install (``pull``, ``serve``, ``observe``) carries neither of."""
-    head = read(8, 0)
-    if len(head) != 8:
-        raise CheckpointError(f"{where} is shorter than a safetensors header")
-    (size,) = struct.unpack("<Q", head)
-    if size > 100 << 20:
-        raise CheckpointError(f"{where} claims a {size}-byte header: not a safetensors file")
-    try:
-        header = json.loads(read(size, 8))
-    except ValueError as e:
-        raise CheckpointError(f"{where}: the safetensors header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{where}: the safetensors header is not a JSON object")
-    return {k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
