@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,14 +109,25 @@ def _as_vllm_counts(parent, config: dict, asked: str, layers: int | None, dest: 
     convention, ids = aux_reads(parent, config, asked, layers if layers is not None else max(own) + 1)
     if convention == "vllm" or ids is None:
         return parent.path
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
+    # named by what it holds (the weights' digest and the ids), made aside and renamed into place: two
+    # evaluations of one parent share it, and neither sees the other's half-made copy
+    dest = dest.with_name(f"{dest.name}-aux{'-'.join(map(str, ids))}")
+    if dest.is_dir():
+        if all(f.exists() for f in dest.iterdir()):  # every link still reaches its file
+            return dest
+        shutil.rmtree(dest, ignore_errors=True)  # a copy whose parent files moved away
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    made = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     for f in parent.path.iterdir():
         if f.name != "config.json":
-            (dest / f.name).symlink_to(f.resolve())
+            (made / f.name).symlink_to(f.resolve())
     nested = {**(config.get("eagle_config") or {}), **served_aux_fields(ids)["eagle_config"]}
-    (dest / "config.json").write_text(json.dumps({**config, **served_aux_fields(ids), "eagle_config": nested},
+    (made / "config.json").write_text(json.dumps({**config, **served_aux_fields(ids), "eagle_config": nested},
                                                  indent=2) + "\n")
+    try:
+        made.rename(dest)
+    except OSError:  # another evaluation put the same copy in place first
+        shutil.rmtree(made, ignore_errors=True)
     return dest
 
 
