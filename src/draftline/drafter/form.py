@@ -77,8 +77,8 @@ def fc_norms(keys: Iterable[str]) -> int:
     return sum(1 for k in keys if FC_NORM_KEY.match(k))
 
 
-# from random init: 3.0, as every published 3.0 parent; the miniature cannot tell 3.0 and 3.1 apart (eagle-forms:
-# paired +0.064 [-0.160, +0.289]), docs/kimi.md says more
+# from random init: 3.0, which every vLLM serves; 3.1 leads by 0.04-0.08 served acceptance on both tiers but no
+# interval excludes zero (eagle-forms), docs/kimi.md ("EAGLE 3.1") says which to pick and why
 DEFAULT = EagleForm()
 
 
