@@ -40,25 +40,28 @@ SHAPES.update(MLA_SHAPES)
 AUX = KIMI_K2["aux_layer_ids"]
 
 
-def drafter_config(shape: str, attn: str = "sdpa"):
+def drafter_config(shape: str, attn: str = "sdpa", form=None):
     """The speculators config of the shape: one Llama (or, for :data:`MLA_SHAPES`, MLA) layer, as ``draftline
     plan`` builds it; ``attn`` is the
-    draft attention (``sdpa``, ``eager``, or ``simple_flex_attention``, speculators' default, which needs a GPU)."""
+    draft attention (``sdpa``, ``eager``, or ``simple_flex_attention``, speculators' default, which needs a GPU);
+    ``form`` its EAGLE form (default 3.0)."""
     from draftline.drafter import layer_kinds
+    from draftline.drafter.form import EagleForm
 
     s = SHAPES[shape]
     kind = layer_kinds.named("mla" if shape in MLA_SHAPES else "llama")
-    config = kind.drafter_config(s, draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=s.get("aux_layer_ids", AUX))
+    config = kind.drafter_config(s, draft_vocab_size=s["draft_vocab_size"], aux_layer_ids=s.get("aux_layer_ids", AUX),
+                                 form=form or EagleForm())
     config.transformer_layer_config._attn_implementation = attn  # noqa: SLF001
     return config
 
 
-def bench_model(shape: str, device, dtype=torch.bfloat16, init: bool = True, attn: str = "sdpa"):
+def bench_model(shape: str, device, dtype=torch.bfloat16, init: bool = True, attn: str = "sdpa", form=None):
     """An ``Eagle3DraftModel`` of the shape, built on the meta device and materialised directly in ``dtype``
     (no fp32 copy), verifier-owned weights random (no verifier checkpoint is needed)."""
     from draftline.drafter.model import meta_drafter
 
-    model = meta_drafter(drafter_config(shape), dtype=dtype, attn=attn).to_empty(device=device)
+    model = meta_drafter(drafter_config(shape, form=form), dtype=dtype, attn=attn).to_empty(device=device)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if not t.is_floating_point():

@@ -34,6 +34,25 @@ def _step(model, batch, cfg):
     return step
 
 
+def interleaved(steps: dict, *, iters: int, rounds: int, sync) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """``rounds`` rounds of ``iters`` calls of each step, the order rotated each round: ``(every step's seconds,
+    each round's median)`` by name."""
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    medians: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                steps[name]()
+                sync()
+                t.append(time.perf_counter() - t0)
+            times[name] += t
+            medians[name].append(statistics.median(t))
+    return times, medians
+
+
 def run(shape: str = "kimi", tokens: int = 512, iters: int = 6, rounds: int = 5) -> dict:
     """Every variant is built first; then ``rounds`` rounds of ``iters`` steps of each, the order rotated each
     round. Each round gives each variant's median step over ``llama@blockwise``'s in that round; the result is
@@ -55,21 +74,8 @@ def run(shape: str = "kimi", tokens: int = 512, iters: int = 6, rounds: int = 5)
         steps[key]()  # warm-up
         sync()
     names = list(variants)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    ratios: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        medians = {}
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                steps[name]()
-                sync()
-                t.append(time.perf_counter() - t0)
-            times[name] += t
-            medians[name] = statistics.median(t)
-        for name in names:
-            ratios[name].append(medians[name] / medians["llama@blockwise"])
+    times, medians = interleaved(steps, iters=iters, rounds=rounds, sync=sync)
+    ratios = {n: [m / b for m, b in zip(medians[n], medians["llama@blockwise"], strict=True)] for n in names}
     results = {n: {"trainable_params": params[n], "step_s_median": statistics.median(times[n]),
                    "tokens_per_s": tokens / statistics.median(times[n]), "step_s_all": times[n],
                    "ratio_to_llama_blockwise": statistics.median(ratios[n]), "ratio_per_round": ratios[n],

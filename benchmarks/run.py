@@ -63,6 +63,11 @@ BENCHMARKS: dict[str, tuple[str, list[tuple[str, dict]]]] = {
         ("--tokens", dict(type=int, default=512, metavar="N", help="tokens per step (default: %(default)s)")),
         ("--iters", dict(type=int, default=6, metavar="N", help="steps per variant a round (default: %(default)s)")),
         ("--rounds", dict(type=int, default=5, metavar="N", help="interleaved rounds (default: %(default)s)"))]),
+    "eagle-form-step": ("an EAGLE 3.1 drafter's training step vs the same drafter in 3.0, interleaved (Kimi "
+                        "miniature's MLA layer, SmolLM2's Llama layer)", [
+        ("--tokens", dict(type=int, default=512, metavar="N", help="tokens per step (default: %(default)s)")),
+        ("--iters", dict(type=int, default=6, metavar="N", help="steps per variant a round (default: %(default)s)")),
+        ("--rounds", dict(type=int, default=5, metavar="N", help="interleaved rounds (default: %(default)s)"))]),
     "layers-served": ("Llama- vs MLA-layer Kimi drafter at equal data and steps, served by vLLM (after "
                       "./demo_kimi.sh)", [
         steps("finetune steps of each drafter", default=100),
