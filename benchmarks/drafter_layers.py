@@ -19,7 +19,7 @@ from benchmarks.common import bench_model, fake_batch
 PAIRS = {"kimi": ("tiny-kimi", "tiny-kimi-mla"), "real": ("real", "real-mla")}
 
 
-def _step(model, batch, cfg):
+def adamw_step(model, batch, cfg):
     from draftline.drafter.model import forward, trainable_parameters
 
     params = trainable_parameters(model)
@@ -70,7 +70,7 @@ def run(shape: str = "kimi", tokens: int = 512, iters: int = 6, rounds: int = 5)
         torch.manual_seed(0)
         model = bench_model(name, device, attn=attn)
         params[key] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        steps[key] = _step(model, fake_batch(model, tokens, device), loss_config())
+        steps[key] = adamw_step(model, fake_batch(model, tokens, device), loss_config())
         steps[key]()  # warm-up
         sync()
     names = list(variants)

@@ -12,7 +12,7 @@ import statistics
 import torch
 
 from benchmarks.common import bench_model, fake_batch
-from benchmarks.drafter_layers import _step, interleaved
+from benchmarks.drafter_layers import adamw_step, interleaved
 
 SHAPES = {"kimi": "tiny-kimi-mla", "smollm2": "smollm2"}
 
@@ -32,7 +32,7 @@ def run(tokens: int = 512, iters: int = 6, rounds: int = 5) -> dict:
             torch.manual_seed(0)
             model = bench_model(shape, torch.device("cpu"), attn="blockwise", form=form)
             params[key] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            steps[key] = _step(model, fake_batch(model, tokens, torch.device("cpu")), loss_config())
+            steps[key] = adamw_step(model, fake_batch(model, tokens, torch.device("cpu")), loss_config())
             steps[key]()  # warm-up
     times, medians = interleaved(steps, iters=iters, rounds=rounds, sync=lambda: None)
     results, summary = {}, {}

@@ -180,10 +180,10 @@ def served_ids_problem(config: dict) -> str | None:
     return None
 
 
-def require_served_ids(directory: str | Path) -> None:
+def require_served_ids(directory: str | Path) -> dict:
     """Refuse (:class:`CheckpointError`) a drafter directory whose ``config.json`` vLLM's two runners would read
     different aux layers from, or none, or whose ``fc`` width disagrees with them; one line naming the file and
-    the fix."""
+    the fix. Returns the config it read."""
     path = Path(directory) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -193,6 +193,7 @@ def require_served_ids(directory: str | Path) -> None:
     problem = served_ids_problem(config) if isinstance(config, dict) else "it is not a JSON object"
     if problem:
         raise CheckpointError(f"{path}: {problem}; {FIX}")
+    return config
 
 
 def _ids(value: Any) -> tuple[int, ...] | None:

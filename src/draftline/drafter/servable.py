@@ -14,7 +14,6 @@ Light on purpose (no torch, no safetensors, no numpy): the tensor names come fro
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from draftline.drafter.aux_ids import FIX, aux_ids_by_runner, require_served_ids
@@ -31,8 +30,7 @@ def require_servable(directory: str | Path) -> None:
     """Refuse (:class:`CheckpointError`, one line naming the file and the fix) a drafter directory vLLM would
     serve other than as it was trained: aux layers its runners read apart, or 3.1's norms missing."""
     directory = Path(directory)
-    require_served_ids(directory)
-    config = json.loads((directory / "config.json").read_text())  # readable: require_served_ids read it
+    config = require_served_ids(directory)
     form = EagleForm.of_config(config)
     if not form.fc_norm:  # nothing vLLM would load silently wrong: the headers need not be read
         return

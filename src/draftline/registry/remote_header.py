@@ -79,4 +79,3 @@ class ArtifactDir:
     def safetensors_header(self, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{key: (shape, dtype)}`` of a safetensors file, from its first 8 + N bytes."""
         return parse_safetensors_header(lambda length, offset: self.read(name, length, offset), f"{self.uri}/{name}")
-
